@@ -1,0 +1,68 @@
+"""PostTrainConfig: MaxText's pydantic config plus the keys post-training needs.
+
+A run is configured exactly like a MaxText run: a yml whose `base_config:` chain ends in MaxText's installed
+`base.yml`, then `key=value` overrides. MaxText's own keys keep their meaning (`use_sft`,
+`sft_train_on_completion_only`, `packing`, `dataset_type`, `grain_train_files`, `train_data_columns`, ...); the
+fields below are added only where MaxText has none. Unknown keys fail the way they fail in MaxText.
+"""
+
+import os
+from typing import Literal
+
+import jax
+from pydantic import Field, model_validator
+
+from maxtext.configs import pyconfig
+from maxtext.configs import types
+from maxtext.utils import max_logging
+
+# Relative asset paths in our configs (e.g. the bundled tokenizer) resolve from the current directory first,
+# then from the directory that holds the package, so runs work from any working directory.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# `grain_file_type` values that this package reads itself (MaxText's own grain types keep their readers).
+POSTTRAIN_FILE_TYPES = ("tfds", "jsonl")
+
+
+class PostTrainConfig(types.MaxTextConfig):
+  """MaxText's config with the post-training keys."""
+
+  posttrain_mode: str = Field("sft", description="Registered objective to train with (sft, ...).")
+  prompt_template: str = Field(
+      "{prompt}", description="Python format string applied to the prompt column; `{prompt}` is the prompt text."
+  )
+  overlong_policy: Literal["truncate", "error"] = Field(
+      "truncate",
+      description="Examples longer than max_target_length: 'truncate' (and count them) or 'error'.",
+  )
+  eval_generation_examples: int = Field(
+      0, ge=0, description="Held-out prompts decoded greedily at each eval to report answer accuracy (0: off)."
+  )
+  max_new_tokens: int = Field(64, gt=0, description="Tokens generated per prompt when decoding.")
+
+  @model_validator(mode="after")
+  def _posttrain_defaults(self):
+    """Resolves bundled asset paths and fixes the accumulation semantics of our loop."""
+    if self.tokenizer_path and not os.path.exists(self.tokenizer_path):
+      bundled = os.path.join(_PACKAGE_PARENT, self.tokenizer_path)
+      if os.path.exists(bundled):
+        self.tokenizer_path = bundled
+    if self.use_tunix_gradient_accumulation:
+      # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
+      # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.
+      max_logging.log("use_tunix_gradient_accumulation=true is ignored: the loop normalises by the global batch weight.")
+      self.use_tunix_gradient_accumulation = False
+    return self
+
+
+def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
+  """Builds the config from MaxText-style argv (`[prog, config.yml, key=value, ...]`) and checks the mode."""
+  # pylint: disable=import-outside-toplevel
+  from maxtext_posttrain import objectives
+
+  config = pyconfig.initialize(argv, config_class=PostTrainConfig, **kwargs)
+  objectives.get(config.posttrain_mode)  # fails listing the registered modes
+  # The process-wide settings MaxText's train.py applies after reading its config.
+  jax.config.update("jax_use_shardy_partitioner", config.shardy)
+  jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+  return config

@@ -1,0 +1,1 @@
+"""Post-training data: bundled arithmetic problems (TFDS builder), record sources and the SFT input pipeline."""

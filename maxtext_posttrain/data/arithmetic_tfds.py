@@ -1,0 +1,76 @@
+"""TFDS builder for the bundled arithmetic word problems.
+
+Exposing the generator as a TFDS dataset gives it TFDS's versioning, split metadata and on-disk layout, and lets the
+pipeline read it like any other prepared TFDS dataset: written as ArrayRecord and read through grain with
+`tfds.data_source`, so neither building nor reading needs TensorFlow. Building is offline (nothing is downloaded) and
+takes about a second, so it happens on first use.
+"""
+
+import dataclasses
+
+from etils import epath
+import tensorflow_datasets as tfds
+
+from maxtext.utils import max_logging
+from maxtext_posttrain.data import arithmetic
+
+NAME = "arithmetic_word_problems"
+FILE_FORMAT = "array_record"  # random access through grain, without TensorFlow
+
+
+@dataclasses.dataclass
+class ArithmeticConfig(tfds.core.BuilderConfig):
+  """A difficulty level (a key of `arithmetic.DIFFICULTIES`) and the size and seed of each split."""
+
+  difficulty: str = "easy"
+  num_train: int = 20000
+  num_test: int = 500
+  seed: int = 0
+
+
+class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
+  """Arithmetic word problems with GSM8K-style worked answers (`... #### <number>`)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  BUILDER_CONFIGS = [
+      ArithmeticConfig(name="easy", description="One + or - step, operands 1..9, non-negative results."),
+      ArithmeticConfig(name="medium", difficulty="medium", description="Two + / - steps, operands up to 20."),
+      ArithmeticConfig(name="hard", difficulty="hard", description="Two or three steps including *, operands up to 50."),
+  ]
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    # TFDS 4.9.10 derives this through `importlib_resources`, which it only installs on Python < 3.9.
+    return epath.Path(__file__)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=__doc__,
+        features=tfds.features.FeaturesDict({"question": tfds.features.Text(), "answer": tfds.features.Text()}),
+        supervised_keys=("question", "answer"),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # everything is generated locally
+    return {
+        "train": self._generate_examples("train", self.builder_config.num_train),
+        "test": self._generate_examples("test", self.builder_config.num_test),
+    }
+
+  def _generate_examples(self, split, num_examples):
+    config = self.builder_config
+    for index, example in enumerate(arithmetic.generate(config.difficulty, split, num_examples, config.seed)):
+      yield index, example
+
+
+def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
+  """The TFDS builder `name` (`builder/config[:version]`) in `data_dir`, built there first if it is missing."""
+  builder = tfds.builder(name, data_dir=data_dir, file_format=FILE_FORMAT)
+  if not builder.is_prepared():
+    max_logging.log(f"Building TFDS dataset {name} into {builder.data_dir} (first use).")
+    tfds.disable_progress_bar()
+    builder.download_and_prepare()
+  return builder

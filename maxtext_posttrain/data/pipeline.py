@@ -1,0 +1,276 @@
+"""The SFT input pipeline: records -> prompt template -> tokens -> MaxText batches, as global sharded arrays.
+
+Everything after tokenization is MaxText's own grain code, so batches look exactly like MaxText SFT batches
+(`inputs`, `targets` and their `_segmentation`/`_position`), packing and the next-token shift behave the same, and
+MaxText's checkpointing saves and restores the iterator (dataset_type=grain): a resumed run continues with the same
+data order. Prompt tokens are masked the way MaxText's `SFTPromptMasking` masks them (target = pad id, which
+`ShiftData` turns into targets_segmentation 0).
+
+Each split is tokenized once, in source order, at setup. Post-training sets are small (tens of thousands of short
+examples tokenize in about a second), and the pass buys three things: overlong examples are truncated or rejected
+with their index, examples with no completion left are dropped before they can make an all-masked row, and every
+split gets counts and a fingerprint (sha256 of its tokens) for the run manifest.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import re
+
+import grain.python as grain
+import jax
+import numpy as np
+
+from maxtext.input_pipeline import data_processing_utils
+from maxtext.input_pipeline import input_pipeline_interface
+from maxtext.input_pipeline import input_pipeline_utils
+from maxtext.input_pipeline import multihost_dataloading
+from maxtext.utils import max_logging
+from maxtext_posttrain.data import sources
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStats:
+  """What one split's tokenization pass found; `fingerprint` is sha256 over its tokenized examples in source order."""
+
+  source: str
+  num_examples: int  # rows in the source
+  num_truncated: int  # kept, cut to max_target_length
+  num_skipped: int  # dropped: no completion token left to learn from
+  num_tokens: int  # input tokens of the kept examples
+  num_target_tokens: int  # loss-bearing target tokens of the kept examples
+  fingerprint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DataStats:
+  """Per-split statistics, logged by the trainer and written to the run manifest."""
+
+  train: SplitStats
+  eval: SplitStats | None
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedExamples:
+  """Kept examples as (inputs, targets) token arrays; a grain source yielding a fresh dict per read."""
+
+  arrays: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+  def __len__(self):
+    return len(self.arrays)
+
+  def __getitem__(self, index):
+    inputs, targets = self.arrays[index]
+    return {"inputs": inputs, "targets": targets}  # fresh: MaxText's transforms add keys in place
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoder:
+  """Applies the prompt template and tokenizes prompt and completion the way training and decoding both see them."""
+
+  tokenizer: object
+  pad_id: int
+  prompt_template: str
+  bos_id: int | None
+  eos_id: int | None
+
+  @classmethod
+  def from_config(cls, config) -> "Encoder":
+    # bos/eos are added here, once per example (prompt start, completion end), not once per text piece.
+    tokenizer, pad_id = data_processing_utils.get_tokenizer_and_pad_id(config, add_bos=False, add_eos=False)
+    return cls(
+        tokenizer=tokenizer,
+        pad_id=pad_id,
+        prompt_template=config.prompt_template,
+        bos_id=tokenizer.bos_id if config.add_bos else None,
+        eos_id=tokenizer.eos_id if config.add_eos else None,
+    )
+
+  def prompt_text(self, prompt: str) -> str:
+    return self.prompt_template.format(prompt=prompt)
+
+  def prompt_ids(self, prompt: str) -> list[int]:
+    return ([self.bos_id] if self.bos_id is not None else []) + list(self.tokenizer.encode(self.prompt_text(prompt)))
+
+  def completion_ids(self, completion: str) -> list[int]:
+    return list(self.tokenizer.encode(completion)) + ([self.eos_id] if self.eos_id is not None else [])
+
+
+def _mask_prompt(prompt_ids, completion_ids, config, pad_id):
+  """(inputs, targets) as MaxText's SFTPromptMasking builds them, truncated to max_target_length."""
+  masking = input_pipeline_utils.SFTPromptMasking(
+      text_column_name="chunks",
+      completion_only=config.sft_train_on_completion_only,
+      max_target_length=config.max_target_length,
+      unk_id=pad_id,
+  )
+  example = masking.map({"chunks": [prompt_ids, completion_ids], "is_prompt": [True, False]})
+  return example["inputs"], example["targets"]
+
+
+def _num_target_tokens(targets, prompt_len, pad_id) -> int:
+  """Targets that carry loss after the next-token shift (position 0 is never predicted; masked prompt targets are
+  the pad id); 0 when truncation left no completion token."""
+  return int(np.count_nonzero(targets[1:] != pad_id)) if prompt_len < len(targets) else 0
+
+
+def tokenize_split(source: sources.RecordSource, encoder: Encoder, config, split: str):
+  """One pass over `source` in order: returns (TokenizedExamples, SplitStats); overlong examples follow
+  `config.overlong_policy`."""
+  prompt_column, completion_column = config.train_data_columns if split == "train" else config.eval_data_columns
+  max_len = config.max_target_length
+  digest = hashlib.sha256()
+  kept, num_truncated, num_skipped, num_tokens, num_target_tokens = [], 0, 0, 0, 0
+  for index in range(len(source)):
+    record = source[index]
+    prompt_ids = encoder.prompt_ids(record[prompt_column])
+    completion_ids = encoder.completion_ids(record[completion_column])
+    length = len(prompt_ids) + len(completion_ids)
+    if length > max_len and config.overlong_policy == "error":
+      raise ValueError(
+          f"{split} example {index} of {source.description} has {length} tokens, more than "
+          f"max_target_length={max_len} (overlong_policy=error)."
+      )
+    inputs, targets = _mask_prompt(prompt_ids, completion_ids, config, encoder.pad_id)
+    targets_kept = _num_target_tokens(targets, len(prompt_ids), encoder.pad_id)
+    if targets_kept == 0:
+      num_skipped += 1
+      continue
+    num_truncated += length > max_len
+    num_tokens += len(inputs)
+    num_target_tokens += targets_kept
+    digest.update(np.asarray([index, len(inputs)], dtype=np.int64).tobytes() + inputs.tobytes() + targets.tobytes())
+    kept.append((inputs, targets))
+  stats = SplitStats(
+      source=source.description,
+      num_examples=len(source),
+      num_truncated=int(num_truncated),
+      num_skipped=num_skipped,
+      num_tokens=num_tokens,
+      num_target_tokens=num_target_tokens,
+      fingerprint=digest.hexdigest(),
+  )
+  if not kept:
+    raise ValueError(f"Empty {split} split: all {len(source)} examples of {source.description} were skipped.")
+  return TokenizedExamples(tuple(kept)), stats
+
+
+def prepare_split(config, train: bool, encoder: Encoder | None = None):
+  """Opens and tokenizes the train (or eval) split: (TokenizedExamples, SplitStats)."""
+  encoder = encoder or Encoder.from_config(config)
+  return tokenize_split(sources.open_source(config, train), encoder, config, "train" if train else "eval")
+
+
+def _batches(examples, config, pad_id, tokenizer, train: bool, shard_index: int, shard_count: int):
+  """The per-host grain pipeline, as MaxText builds it for dataset_type=grain (shuffle, repeat, shard, batch)."""
+  dataset = grain.MapDataset.source(examples)
+  if train and config.enable_data_shuffling:
+    dataset = dataset.shuffle(seed=config.data_shuffle_seed)
+  if train:
+    dataset = dataset.repeat()  # `steps` bounds training; each epoch is reshuffled
+  dataset = dataset[shard_index::shard_count]
+  dataset = dataset.to_iter_dataset(
+      read_options=grain.ReadOptions(
+          num_threads=config.grain_num_threads if train else config.grain_num_threads_eval,
+          prefetch_buffer_size=config.grain_prefetch_buffer_size if train else config.grain_prefetch_buffer_size_eval,
+      )
+  )
+  batch_size = (
+      data_processing_utils.get_local_batch_size(config)
+      if train
+      else config.global_batch_size_to_load_eval // jax.process_count()
+  )
+  dataset = data_processing_utils.format_and_batch(dataset, config, batch_size, pad_id, ("inputs", "targets"), tokenizer)
+  return data_processing_utils.apply_multiprocessing_and_prefetch(
+      dataset,
+      config,
+      config.grain_worker_count if train else config.grain_worker_count_eval,
+      config.grain_per_worker_buffer_size if train else config.grain_per_worker_buffer_size_eval,
+  )
+
+
+def _make_iterator(examples, encoder, train, config, mesh, process_indices):
+  """A MultiHostDataLoadIterator over this host's shard (the signature MaxText's create_process_specific_iterator
+  calls)."""
+  batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
+  if batch_size % mesh.size:
+    raise ValueError(f"Global batch size {batch_size} is not divisible by the {mesh.size} devices of the mesh.")
+  shard_index, shard_count = process_indices.index(jax.process_index()), len(process_indices)
+  dataloader = _batches(examples, config, encoder.pad_id, encoder.tokenizer, train, shard_index, shard_count)
+  return multihost_dataloading.MultiHostDataLoadIterator(
+      dataloader,
+      mesh,
+      config.generate_padding_batch_train if train else config.generate_padding_batch_eval,
+      expansion_loading_factor_for_grain=config.expansion_factor_real_data if train else -1,
+  )
+
+
+def _host_iterator(examples, encoder, config, mesh, train: bool):
+  """This process's iterator, or MaxText's placeholder when it loads no real data."""
+  batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
+  batch_size_on = config.global_batch_size_to_train_on if train else config.global_batch_size_to_eval_on
+  process_indices = input_pipeline_interface.get_process_loading_real_data(
+      config.data_sharding, batch_size, batch_size_on, config.max_target_length, mesh
+  )
+  make = functools.partial(_make_iterator, examples, encoder, train)
+  return input_pipeline_interface.create_process_specific_iterator(config, mesh, process_indices, make, train)
+
+
+def _check_supported(config):
+  if config.colocated_python_data_input:
+    raise ValueError("colocated_python_data_input is not supported by the maxtext_posttrain SFT pipeline.")
+  if 0 < config.expansion_factor_real_data < 1:
+    raise ValueError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain SFT pipeline.")
+
+
+def make_sft_iterators(config, mesh):
+  """(train_iterator, eval_iterator or None, DataStats). Eval is built when `config.eval_interval > 0`; it is not
+  shuffled or repeated, and restarts from its first batch at every eval, so each eval sees the same batches."""
+  _check_supported(config)
+  encoder = Encoder.from_config(config)
+  train_examples, train_stats = prepare_split(config, True, encoder)
+  eval_examples, eval_stats = prepare_split(config, False, encoder) if config.eval_interval > 0 else (None, None)
+  stats = DataStats(train=train_stats, eval=eval_stats)
+  max_logging.log(f"SFT data: {stats.to_dict()}")
+  train_iterator = _host_iterator(train_examples, encoder, config, mesh, train=True)
+  eval_iterator = _host_iterator(eval_examples, encoder, config, mesh, train=False) if eval_examples else None
+  return train_iterator, eval_iterator, stats
+
+
+def load_eval_examples(config, n: int) -> list[dict]:
+  """The first `n` held-out examples in source order: prompt text (template applied), completion text, and the
+  prompt's token ids (with bos, without completion) for greedy decoding."""
+  encoder = Encoder.from_config(config)
+  source = sources.open_source(config, train=False)
+  prompt_column, completion_column = config.eval_data_columns
+  examples = []
+  for index in range(min(n, len(source))):
+    record = source[index]
+    examples.append(
+        {
+            "prompt_text": encoder.prompt_text(record[prompt_column]),
+            "completion_text": record[completion_column],
+            "prompt_ids": encoder.prompt_ids(record[prompt_column]),
+        }
+    )
+  return examples
+
+
+_ANSWER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+  """The number after the last `####` (GSM8K format), normalised: no commas or `$`, no trailing `.0`; None if absent."""
+  _, marker, tail = text.rpartition("####")
+  if not marker:
+    return None
+  match = _ANSWER.search(tail.replace(",", "").replace("$", ""))
+  if not match:
+    return None
+  number = match.group()
+  if "." in number:
+    number = number.rstrip("0").rstrip(".")
+  return "0" if number == "-0" else number

@@ -1,0 +1,126 @@
+"""Record sources: random-access sequences of `{prompt_column: str, completion_column: str}` dicts.
+
+Post-training data is small and often hand-made, so a bad row must fail at setup with the file and line to fix,
+not as a shape error deep inside a jitted step. Each source reads one `grain_file_type` (`POSTTRAIN_FILE_TYPES`):
+`tfds` (a prepared TFDS dataset in ArrayRecord format, read through `tfds.data_source` without TensorFlow; the
+bundled arithmetic builder is built on first use) and `jsonl` (one JSON object per line; a comma-separated list of
+paths or globs). Sources have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+
+import tensorflow_datasets as tfds
+
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain.data import arithmetic_tfds
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordSource:
+  """Rows of text columns, with a description of where they came from (for logs and the run manifest)."""
+
+  rows: "list[dict[str, str]] | TfdsRows"
+  description: str
+
+  def __len__(self):
+    return len(self.rows)
+
+  def __getitem__(self, index):
+    return self.rows[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsRows:
+  """A TFDS ArrayRecord data source, read lazily, with its text columns decoded and the others dropped."""
+
+  data_source: object
+  columns: tuple[str, ...]
+
+  def __len__(self):
+    return len(self.data_source)
+
+  def __getitem__(self, index):
+    record = self.data_source[index]
+    return {column: _as_text(record[column]) for column in self.columns}
+
+
+def _as_text(value) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _tfds_source(name: str, data_dir: str, split: str, columns: tuple[str, ...]) -> RecordSource:
+  """`name` (`builder/config[:version]`) from the TFDS `data_dir`, built there on first use."""
+  description = f"tfds:{name}[{split}] in {data_dir}"
+  builder = arithmetic_tfds.prepare(name, data_dir)
+  if split not in builder.info.splits:
+    raise ValueError(f"{description}: no split {split!r}; it has {sorted(builder.info.splits)}.")
+  missing = [column for column in columns if column not in builder.info.features]
+  if missing:
+    raise ValueError(f"{description}: missing field(s) {missing}; its features are {sorted(builder.info.features)}.")
+  data_source = tfds.data_source(name, data_dir=data_dir, split=split)
+  return RecordSource(TfdsRows(data_source, columns), description)
+
+
+def _jsonl_files(patterns: str) -> list[str]:
+  """Files named by a comma-separated list of paths or globs, each pattern's matches sorted."""
+  files = []
+  for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+    matches = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not matches:
+      raise ValueError(f"No JSONL file matches {pattern!r}.")
+    files += matches
+  return files
+
+
+def _parse_jsonl_line(line: str, path: str, line_number: int, columns: tuple[str, ...]) -> dict[str, str]:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{line_number}: malformed JSON ({e.msg}).") from e
+  if not isinstance(record, dict):
+    raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}.")
+  for column in columns:
+    if column not in record:
+      raise ValueError(f"{path}:{line_number}: missing field {column!r} (fields: {sorted(record)}).")
+    if not isinstance(record[column], str):
+      raise ValueError(f"{path}:{line_number}: field {column!r} must be a string, got {type(record[column]).__name__}.")
+  return {column: record[column] for column in columns}
+
+
+def _jsonl_source(patterns: str, columns: tuple[str, ...]) -> RecordSource:
+  """Every non-blank line of the JSONL files, read eagerly so errors surface at setup."""
+  files = _jsonl_files(patterns)
+  rows = []
+  for path in files:
+    with open(path, encoding="utf-8") as f:
+      for line_number, line in enumerate(f, start=1):
+        if line.strip():
+          rows.append(_parse_jsonl_line(line, path, line_number, columns))
+  return RecordSource(rows, f"jsonl:{','.join(files)}")
+
+
+def open_source(config, train: bool) -> RecordSource:
+  """The train (or eval) records named by `config`, with the two configured columns; raises ValueError when empty."""
+  files = config.grain_train_files if train else config.grain_eval_files
+  columns = tuple(config.train_data_columns if train else config.eval_data_columns)
+  if not files:
+    raise ValueError(f"{'grain_train_files' if train else 'grain_eval_files'} is empty; set it to the data to read.")
+  if len(columns) != 2:
+    raise ValueError(f"SFT needs two data columns [prompt, completion], got {list(columns)}.")
+  if config.grain_file_type == "tfds":
+    data_dir = os.path.expanduser(config.dataset_path) if config.dataset_path else None
+    split = config.train_split if train else config.eval_split
+    source = _tfds_source(files, data_dir, split, columns)
+  elif config.grain_file_type == "jsonl":
+    source = _jsonl_source(files, columns)
+  else:
+    raise ValueError(
+        f"grain_file_type={config.grain_file_type!r} is not read by maxtext_posttrain; "
+        f"supported: {', '.join(config_lib.POSTTRAIN_FILE_TYPES)}."
+    )
+  if not source:
+    raise ValueError(f"Empty dataset: {source.description} has no examples.")
+  return source

@@ -1,0 +1,76 @@
+"""The contract between the generic training loop and an objective.
+
+The loop (`maxtext_posttrain.trainer`) knows nothing about any objective: it builds the MaxText model, mesh,
+optimizer and checkpointing, then asks the objective for its data, its loss and its evaluation. An objective
+is a small class registered under the name a user writes as `posttrain_mode=<name>`.
+
+Losses are returned as a (total, weight) pair rather than a mean so that gradient accumulation and multi-batch
+evaluation normalise by the weight of the whole global batch (tokens for SFT, pairs for DPO, ...), not by a
+mean of per-microbatch means.
+"""
+
+import abc
+import dataclasses
+from typing import Any, ClassVar, Iterator
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+  """`total / weight` is the loss; `metrics` are per-batch scalars summed over microbatches like `total`."""
+
+  total: jax.Array
+  weight: jax.Array
+  metrics: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+
+jax.tree_util.register_dataclass(LossOutput, data_fields=["total", "weight", "metrics"], meta_fields=[])
+
+
+@dataclasses.dataclass
+class ObjectiveData:
+  """What an objective feeds the loop: global-array batch iterators and a JSON-able description for the manifest."""
+
+  train: Iterator[dict[str, jax.Array]]
+  eval: Iterator[dict[str, jax.Array]] | None
+  description: dict[str, Any]
+
+
+class Objective(abc.ABC):
+  """An objective: its roles, batch spec, data, loss and train-step hooks.
+
+  Attributes:
+    name: the `posttrain_mode` value.
+    roles: models besides the trained policy that the loss needs (`reference`, `critic`, `teacher`).
+    batch_keys: the arrays every batch carries; the loop checks batches against them.
+  """
+
+  name: ClassVar[str]
+  roles: ClassVar[tuple[str, ...]] = ()
+  batch_keys: ClassVar[tuple[str, ...]]
+
+  def __init__(self, config):
+    self.config = config
+
+  @abc.abstractmethod
+  def make_data(self, mesh) -> ObjectiveData:
+    """Builds the train (and eval) iterators of global batches with `batch_keys`."""
+
+  @abc.abstractmethod
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
+    """Pure JAX: the loss of `model` (the policy, an NNX MaxText model) on one (micro)batch. Runs under jit."""
+
+  def before_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Host-side hook before each train step (RL samples rollouts here). Returns the batch to train on."""
+    del loop
+    return batch
+
+  def after_step(self, loop, step: int, metrics: dict[str, Any]) -> None:
+    """Host-side hook after each train step (weight sync, adaptive KL, ...)."""
+    del loop, step, metrics
+
+  def evaluate(self, loop) -> dict[str, float]:
+    """Host-side evaluation beyond held-out loss (e.g. generation accuracy); returns scalar metrics."""
+    del loop
+    return {}

@@ -1,0 +1,47 @@
+"""Supervised fine-tuning: next-token cross entropy on completion tokens (or all tokens), packed or padded."""
+
+import jax
+
+from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.losses import cross_entropy
+from maxtext_posttrain.objectives import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain import generation_eval
+
+
+@register
+class SFT(Objective):
+  """`posttrain_mode=sft`: MaxText's SFT data conventions (`sft_train_on_completion_only`, `packing`)."""
+
+  name = "sft"
+  batch_keys = (
+      "inputs",
+      "inputs_position",
+      "inputs_segmentation",
+      "targets",
+      "targets_position",
+      "targets_segmentation",
+  )
+
+  def make_data(self, mesh) -> ObjectiveData:
+    train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh)
+    return ObjectiveData(train=train, eval=evaluation, description=stats.to_dict())
+
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
+    logits = model(
+        decoder_input_tokens=batch["inputs"],
+        decoder_positions=batch["inputs_position"],
+        decoder_segment_ids=batch["inputs_segmentation"],
+        enable_dropout=self.config.enable_dropout if is_train else False,
+        decoder_target_tokens=batch["targets"],
+        decoder_target_mask=batch["targets_segmentation"],
+    )
+    # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
+    total, weight, z_total = cross_entropy.token_cross_entropy(
+        logits, batch["targets"], batch["targets_segmentation"] != 0, z_loss=self.config.z_loss_multiplier
+    )
+    return LossOutput(total=total, weight=weight, metrics={"z_loss": z_total})
+
+  def evaluate(self, loop) -> dict[str, float]:
+    if self.config.eval_generation_examples <= 0:
+      return {}
+    return generation_eval.greedy_answer_accuracy(loop, self.config.eval_generation_examples)

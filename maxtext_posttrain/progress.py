@@ -1,0 +1,43 @@
+"""Console progress for long runs: step, loss, tokens/s and ETA on one line."""
+
+import time
+
+from maxtext.utils import max_logging
+
+
+def format_seconds(seconds: float) -> str:
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, seconds = divmod(rest, 60)
+  return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+class Progress:
+  """Rates are measured from the first reported step, so compilation time does not skew the ETA."""
+
+  def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, label: str = "train"):
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self.label = label
+    self.start_time = time.perf_counter()
+    self.mark_step, self.mark_time = start_step, None
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start_time
+
+  def report(self, step: int, loss: float) -> str:
+    """Logs and returns the progress line for `step` (the number of completed steps)."""
+    now = time.perf_counter()
+    if self.mark_time is None or step <= self.mark_step:
+      rate_text, eta_text = "rate pending", "ETA pending"
+      self.mark_step, self.mark_time = step, now
+    else:
+      steps_per_second = (step - self.mark_step) / (now - self.mark_time)
+      rate_text = f"{steps_per_second * self.tokens_per_step:,.0f} tokens/s"
+      eta_text = f"ETA {format_seconds((self.total_steps - step) / steps_per_second)}"
+    line = (
+        f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) loss {loss:.4f} | "
+        f"{rate_text} | elapsed {format_seconds(self.elapsed())} | {eta_text}"
+    )
+    max_logging.log(line)
+    return line

@@ -1,0 +1,27 @@
+"""Entry point: `python -m maxtext_posttrain.train <config.yml> key=value ...`, argv as in MaxText's train.py.
+
+Accepts MaxText's own base.yml (or any yml whose `base_config:` chain reaches it) plus `posttrain_mode=<name>`,
+so a MaxText launcher such as xpk runs post-training by swapping the module name.
+"""
+
+from typing import Sequence
+
+from absl import app
+
+from maxtext.utils import max_logging
+from maxtext.utils import max_utils
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import trainer
+
+
+def main(argv: Sequence[str]) -> None:
+  config = posttrain_config.initialize(list(argv))
+  max_utils.print_system_information()
+  loop = trainer.setup(config)
+  summary = trainer.train(loop)
+  max_logging.log(f"Finished {config.run_name}: steps {summary['start_step']}..{summary['end_step']}")
+
+
+if __name__ == "__main__":
+  app.run(main)

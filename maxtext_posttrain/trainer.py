@@ -1,0 +1,255 @@
+"""The one generic training loop: MaxText's setup, an objective's loss, MaxText's checkpointing and logging.
+
+Everything model-shaped comes from MaxText: the mesh (`ici_*`/`dcn_*`), model creation and sharding rules,
+optimizer and learning-rate schedule, gradient clipping and accumulation, orbax checkpointing (auto-resume,
+`load_parameters_path`), the jitted step's shardings and donation, and the metric logger (TensorBoard and
+`metrics_file`). The objective (`posttrain_mode`) supplies data, loss, hooks and extra evaluation; this module
+contains nothing objective-specific.
+"""
+
+import dataclasses
+import datetime
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+
+from maxtext.common import checkpointing
+from maxtext.common import metric_logger
+from maxtext.common import train_state_nnx
+from maxtext.utils import gradient_accumulation
+from maxtext.utils import max_logging
+from maxtext.utils import max_utils
+from maxtext.utils import maxtext_utils
+from maxtext.utils import model_creation_utils
+from maxtext.utils import sharding
+from maxtext.utils import train_utils
+
+from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import manifest
+from maxtext_posttrain import objectives
+from maxtext_posttrain import progress
+
+
+@dataclasses.dataclass
+class Loop:
+  """The state a run carries between steps; objectives' hooks and evaluation read it."""
+
+  config: Any
+  mesh: jax.sharding.Mesh
+  objective: objectives.Objective
+  graphdef: nnx.GraphDef  # of TrainStateNNX
+  state: nnx.State  # pure state of TrainStateNNX: {"model": ..., "optimizer": ...}
+  state_mesh_shardings: nnx.State
+  checkpoint_manager: Any
+  data: objectives.ObjectiveData
+  learning_rate_schedule: Any
+  p_train_step: Any
+  p_eval_step: Any
+  step: int
+  start_step: int
+  cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects (e.g. a sampler)
+
+  def policy(self) -> nnx.Module:
+    """The policy model with the current weights (shares the arrays of `state`, no copy)."""
+    return nnx.merge(self.graphdef, self.state).model
+
+
+def _loss_and_grads(objective, config, model, params_shardings, batch):
+  """(loss, weight, metric sums, raw grads) of the objective, with MaxText's gradient accumulation when enabled."""
+  if config.gradient_accumulation_steps > 1:
+
+    # MaxText's accumulation differentiates a summed loss, reading the sum and its weight from `xent_sum` and
+    # `total_weights`; it then divides the accumulated gradient by the weight of the whole batch.
+    def summed_loss(model, config, data, dropout_rng, params, is_train=True):
+      del config, dropout_rng, params
+      out = objective.loss(model, data, is_train)
+      aux = {"xent_sum": out.total, "total_weights": out.weight, "metrics": out.metrics}
+      aux |= {"moe_lb_loss": 0.0, "indexer_loss": 0.0, "mtp_loss": 0.0}
+      return out.total, aux
+
+    loss, aux, grads = gradient_accumulation.gradient_accumulation_loss_and_grad(
+        summed_loss, config, model, None, params_shardings, batch, None
+    )
+    return loss, aux["total_weights"], aux["metrics"], grads
+
+  model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def mean_loss(params):
+    local_model = nnx.merge(model_graphdef, params, rest, copy=True)
+    out = objective.loss(local_model, batch, True)
+    return out.total / jnp.maximum(out.weight, 1.0), (out, nnx.state(local_model, nnx.Not(nnx.Param)))
+
+  (loss, (out, new_rest)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+  nnx.update(model, new_rest)
+  return loss, out.weight, out.metrics, grads
+
+
+def make_train_step(objective):
+  """A train step with MaxText's signature, so MaxText's `jit_train_step` supplies shardings and donation."""
+
+  def train_step(graphdef, config, state_mesh_shardings, params_shardings, state, data, dropout_rng=None):
+    del state_mesh_shardings, dropout_rng
+    train_state = nnx.merge(graphdef, state)
+    nnx.pop(train_state.model, nnx.Intermediate)
+    loss, weight, metric_sums, raw_grads = _loss_and_grads(objective, config, train_state.model, params_shardings, data)
+    if config.gradient_clipping_threshold > 0:
+      grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
+    else:
+      grads = raw_grads
+    train_state.apply_gradients(grads)
+    scalars = {
+        "learning/loss": loss,
+        "learning/total_weights": weight,
+        "learning/grad_norm": max_utils.l2norm_pytree(grads),
+        "learning/raw_grad_norm": max_utils.l2norm_pytree(raw_grads),
+        "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, nnx.Param)),
+    }
+    scalars |= {f"learning/{k}": v / jnp.maximum(weight, 1.0) for k, v in metric_sums.items()}
+    return nnx.state(train_state, nnx.Not(nnx.Intermediate)), {"scalar": scalars, "scalars": {}}
+
+  return train_step
+
+
+def make_eval_step(objective):
+  """An eval step with MaxText's signature; the metric logger sums `total_loss` and `total_weights` over batches."""
+
+  def eval_step(graphdef, config, state, data, dropout_rng=None):
+    del config, dropout_rng
+    out = objective.loss(nnx.merge(graphdef, state).model, data, False)
+    scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
+    scalars |= {f"evaluation/{k}": v for k, v in out.metrics.items()}
+    return {"scalar": scalars}
+
+  return eval_step
+
+
+def _eval_data_sharding(config, mesh):
+  return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
+
+
+def setup(config) -> Loop:
+  """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
+  objective = objectives.get(config.posttrain_mode)(config)
+  if objective.roles:
+    raise NotImplementedError(f"posttrain_mode={objective.name} needs roles {objective.roles}; none is built yet.")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  learning_rate_schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
+
+  def init_state_fn():
+    model = create_model()
+    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+  with nn_partitioning.axis_rules(config.logical_axis_rules):
+    abstract_state = nnx.eval_shape(init_state_fn)
+  checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
+  checkpoint_guard.check_compatible(checkpoint_manager, abstract_state)
+  data = objective.make_data(mesh)
+  state, _, state_mesh_shardings, data.train, _ = maxtext_utils.setup_training_state(
+      data.train, config, mesh, checkpoint_manager, init_state_fn
+  )
+  start_step = int(state.optimizer.step.get_value())
+  train_utils.validate_completed_steps(start_step, config.steps)
+  graphdef = nnx.graphdef(abstract_state)
+  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
+  data_sharding = sharding.get_input_data_sharding(config, mesh)
+  p_train_step = train_utils.jit_train_step(
+      config,
+      graphdef,
+      state,
+      state_mesh_shardings,
+      data_sharding,
+      make_train_step(objective),
+      params_shardings,
+      mesh=mesh,
+  )
+  p_eval_step = None
+  if data.eval is not None:
+    p_eval_step = train_utils.jit_eval_step(
+        config, graphdef, state_mesh_shardings, _eval_data_sharding(config, mesh), make_eval_step(objective)
+    )
+  manifest.write(config, data.description, start_step, mesh)
+  return Loop(
+      config=config,
+      mesh=mesh,
+      objective=objective,
+      graphdef=graphdef,
+      state=state,
+      state_mesh_shardings=state_mesh_shardings,
+      checkpoint_manager=checkpoint_manager,
+      data=data,
+      learning_rate_schedule=learning_rate_schedule,
+      p_train_step=p_train_step,
+      p_eval_step=p_eval_step,
+      step=start_step,
+      start_step=start_step,
+  )
+
+
+def evaluate(loop: Loop, logger: metric_logger.MetricLogger | None = None) -> dict[str, float]:
+  """Held-out loss over `eval_steps` batches plus the objective's own evaluation; logs and returns the scalars."""
+  config = loop.config
+  results = {}
+  if loop.p_eval_step is not None:
+    total, weight = 0.0, 0.0
+    loop.data.eval.reset()
+    for eval_count, batch in enumerate(loop.data.eval):
+      batch = jax.device_put(batch, _eval_data_sharding(config, loop.mesh))
+      with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules_for_eval):
+        scalars = loop.p_eval_step(loop.state, batch)["scalar"]
+      total += float(scalars["evaluation/total_loss"])
+      weight += float(scalars["evaluation/total_weights"])
+      if 0 < config.eval_steps <= eval_count + 1:
+        break
+    results["eval/loss"] = total / max(weight, 1.0)
+  results |= loop.objective.evaluate(loop)
+  max_logging.log(f"[eval after {loop.step} steps] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
+  if logger is not None:
+    # MaxText's eval summary line expects its own eval keys; these rows go straight to TensorBoard and metrics_file.
+    if config.enable_tensorboard:
+      logger.write_metrics_to_tensorboard({"scalar": results}, loop.step, "eval")
+    if config.metrics_file:
+      logger.write_metrics_locally({"scalar": results}, loop.step)
+  return results
+
+
+def train(loop: Loop) -> dict[str, Any]:
+  """Runs steps `loop.step .. config.steps`, evaluating every `eval_interval` steps; returns a summary."""
+  config = loop.config
+  logger = metric_logger.MetricLogger(config, loop.learning_rate_schedule, start_step=loop.start_step)
+  logger.write_setup_info_to_tensorboard(loop.state.model.filter(nnx.Param))
+  eval_due = config.eval_interval > 0
+  summary = {"start_step": loop.start_step, "evals": {}}
+  if eval_due and loop.step == 0:
+    summary["evals"][0] = evaluate(loop, logger)
+  tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
+  meter = progress.Progress(config.steps, loop.start_step, tokens_per_step)
+  last_step_end = datetime.datetime.now()
+  try:
+    while loop.step < config.steps:
+      step = loop.step
+      batch = loop.objective.before_step(loop, next(loop.data.train))
+      with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+        loop.state, metrics = loop.p_train_step(loop.state, batch)
+      now = datetime.datetime.now()
+      step_time, last_step_end = now - last_step_end, now
+      loop.step = step + 1
+      checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train, step)
+      loop.objective.after_step(loop, step, metrics)
+      if eval_due and loop.step % config.eval_interval == 0:
+        summary["evals"][loop.step] = evaluate(loop, logger)
+      logger.buffer_and_write_metrics(metrics, step, step_time)
+      if loop.step % config.log_period == 0 or loop.step == config.steps:
+        meter.report(loop.step, float(metrics["scalar"]["learning/loss"]))
+    if config.save_checkpoint_on_completion:
+      checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train)
+    if loop.checkpoint_manager is not None:
+      checkpointing.wait_until_finished(loop.checkpoint_manager)
+  finally:
+    logger.flush_metrics_and_cleanup()
+  summary["end_step"] = loop.step
+  summary["seconds"] = meter.elapsed()
+  return summary

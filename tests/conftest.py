@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny configs over the bundled arithmetic data, built once per session."""
+
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory) -> pathlib.Path:
+  """One TFDS data_dir per session; the arithmetic builder is prepared into it on first use."""
+  return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture
+def make_config(tmp_path, tfds_dir):
+  """`make_config(key=value, ...)` -> a PostTrainConfig from configs/sft.yml, writing under this test's tmp dir."""
+  from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
+
+  def build(*overrides: str, config_file: str = "configs/sft.yml", run_name: str = "run"):
+    argv = ["", str(REPO / config_file), f"run_name={run_name}", f"base_output_directory={tmp_path}"]
+    argv += [f"dataset_path={tfds_dir}", *overrides]
+    return posttrain_config.initialize(argv)
+
+  return build

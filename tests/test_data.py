@@ -1,0 +1,209 @@
+"""Tests for maxtext_posttrain.data: generator, TFDS builder, record sources and the SFT pipeline (CPU, seconds)."""
+
+import json
+import os
+import sys
+
+import grain.python as grain
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from maxtext.configs import pyconfig
+from maxtext.utils import maxtext_utils
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain.data import arithmetic
+from maxtext_posttrain.data import arithmetic_tfds
+from maxtext_posttrain.data import pipeline
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k")
+ROWS = [
+    {"question": "Tom has 3 apples and buys 5 more. How many apples does Tom have now?", "answer": "3 + 5 = 8\n#### 8"},
+    {"question": "Ana has 9 pens and loses 4. How many pens are left?", "answer": "9 - 4 = 5\n#### 5"},
+    {"question": "Bo has 2 cats and gets 2 more. How many cats now?", "answer": "2 + 2 = 4\n#### 4"},
+    {"question": "Eli has 7 cards and gives away 1. How many cards now?", "answer": "7 - 1 = 6\n#### 6"},
+]
+
+
+def make_config(tmp_path, *overrides):
+  """A tiny SFT config from configs/sft.yml (the objective registry is not needed to read data)."""
+  argv = ["", os.path.join(REPO, "configs", "sft.yml"), "run_name=t", f"base_output_directory={tmp_path}/out"]
+  argv += [f"tokenizer_path={REPO}/maxtext_posttrain/assets/arithmetic.model", "per_device_batch_size=2"]
+  return pyconfig.initialize(argv + list(overrides), config_class=config_lib.PostTrainConfig)
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  return str(path)
+
+
+def jsonl_config(tmp_path, rows=ROWS, *overrides):
+  train = write_jsonl(tmp_path / "train.jsonl", rows)
+  return make_config(
+      tmp_path, "grain_file_type=jsonl", f"grain_train_files={train}", f"grain_eval_files={train}", *overrides
+  )
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def test_generator_is_deterministic_and_splits_are_disjoint():
+  for difficulty in arithmetic.DIFFICULTIES:
+    train = arithmetic.generate(difficulty, "train", 2000, seed=0)
+    assert train == arithmetic.generate(difficulty, "train", 2000, seed=0)
+    assert train != arithmetic.generate(difficulty, "train", 2000, seed=1)
+    test = arithmetic.generate(difficulty, "test", 200, seed=0)
+    questions = [example["question"] for example in train]
+    assert len(set(questions)) == len(questions)
+    assert not set(questions) & {example["question"] for example in test}
+    for example in train[:50]:
+      *steps, final = example["answer"].split("\n")
+      assert final == f"#### {steps[-1].split(' = ')[1]}"
+      for step in steps:
+        expression, result = step.split(" = ")
+        assert eval(expression) == int(result) >= 0  # pylint: disable=eval-used
+
+
+def test_tfds_builder_builds_offline_and_reads_through_grain(tmp_path):
+  config = arithmetic_tfds.ArithmeticConfig(name="tiny", num_train=40, num_test=8)
+  builder = arithmetic_tfds.ArithmeticWordProblems(config=config, data_dir=str(tmp_path), file_format="array_record")
+  builder.download_and_prepare()
+  source = tfds.data_source("arithmetic_word_problems/tiny", data_dir=str(tmp_path), split="test")
+  rows = list(grain.MapDataset.source(source))
+  assert len(rows) == 8
+  assert {row["question"].decode() for row in rows} == {e["question"] for e in arithmetic.generate("easy", "test", 8, 0)}
+  assert "tensorflow" not in sys.modules
+
+
+def test_tfds_source_is_built_on_first_use(tmp_path, tfds_dir):
+  config = make_config(tmp_path, f"dataset_path={tfds_dir}", "eval_interval=1")
+  examples, stats = pipeline.prepare_split(config, train=False)
+  assert stats.num_examples == len(examples) == 500
+  assert stats.source == f"tfds:arithmetic_word_problems/easy[test] in {tfds_dir}"
+
+
+def test_jsonl_malformed_line_names_file_and_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+  config = make_config(tmp_path, "grain_file_type=jsonl", f"grain_train_files={path}")
+  with pytest.raises(ValueError, match=f"{path}:2: malformed JSON"):
+    pipeline.prepare_split(config, train=True)
+
+
+def test_jsonl_missing_field_names_field_file_and_line(tmp_path):
+  config = jsonl_config(tmp_path, ROWS[:2] + [{"question": "q"}])
+  with pytest.raises(ValueError, match=r"train.jsonl:3: missing field 'answer'"):
+    pipeline.prepare_split(config, train=True)
+
+
+def test_empty_dataset_and_unknown_file_type(tmp_path):
+  with pytest.raises(ValueError, match="Empty dataset: jsonl:.*train.jsonl"):
+    pipeline.prepare_split(jsonl_config(tmp_path, []), train=True)
+  with pytest.raises(ValueError, match="supported: tfds, jsonl"):
+    pipeline.prepare_split(make_config(tmp_path, "grain_file_type=parquet"), train=True)
+
+
+def long_rows():
+  return ROWS[:2] + [
+      {"question": "How much is this?", "answer": " ".join(["1 + 1 = 2"] * 20) + "\n#### 2"},  # long completion
+      {"question": "Long question " * 40, "answer": "#### 1"},  # prompt alone fills the window
+  ]
+
+
+def test_overlong_examples_are_truncated_or_skipped_and_counted(tmp_path):
+  config = jsonl_config(tmp_path, long_rows(), "max_target_length=64")
+  examples, stats = pipeline.prepare_split(config, train=True)
+  assert (stats.num_examples, stats.num_truncated, stats.num_skipped, len(examples)) == (4, 1, 1, 3)
+  assert max(len(examples[i]["inputs"]) for i in range(3)) == 64
+  assert stats.num_tokens == sum(len(examples[i]["inputs"]) for i in range(3))
+
+
+def test_overlong_error_policy_names_split_and_index(tmp_path):
+  config = jsonl_config(tmp_path, long_rows(), "max_target_length=64", "overlong_policy=error")
+  with pytest.raises(ValueError, match="train example 2 of jsonl:"):
+    pipeline.prepare_split(config, train=True)
+
+
+def test_completion_only_masking(tmp_path):
+  config = jsonl_config(tmp_path, ROWS, "packing=false", "enable_data_shuffling=false")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  train, _, _ = pipeline.make_sft_iterators(config, mesh)
+  batch = {k: np.asarray(v) for k, v in next(train).items()}
+  encoder = pipeline.Encoder.from_config(config)
+  for row, example in enumerate(ROWS[:2]):
+    prompt = encoder.prompt_ids(example["question"])
+    completion = encoder.completion_ids(example["answer"])
+    length = len(prompt) + len(completion)
+    np.testing.assert_array_equal(batch["inputs"][row, :length], prompt + completion)
+    expected = np.zeros(config.max_target_length, np.int32)
+    expected[len(prompt) - 1 : length - 1] = 1  # position i predicts token i + 1: exactly the completion tokens
+    np.testing.assert_array_equal(batch["targets_segmentation"][row], expected)
+    np.testing.assert_array_equal(batch["targets"][row, len(prompt) - 1 : length - 1], completion)
+
+
+def test_packed_batches_restart_positions_per_segment(tmp_path):
+  config = jsonl_config(tmp_path, ROWS, "packing=true")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  train, _, _ = pipeline.make_sft_iterators(config, mesh)
+  batch = {k: np.asarray(v) for k, v in next(train).items()}
+  segments, positions = batch["inputs_segmentation"][0], batch["inputs_position"][0]
+  assert segments.max() >= 2  # several short examples share a row
+  for segment in range(1, segments.max() + 1):
+    np.testing.assert_array_equal(positions[segments == segment], np.arange(np.sum(segments == segment)))
+  assert set(np.unique(batch["targets_segmentation"])) <= set(np.unique(segments))
+
+
+def test_fingerprint_is_stable_and_tracks_the_data(tmp_path, tfds_dir):
+  config = make_config(tmp_path, f"dataset_path={tfds_dir}", "eval_interval=1")
+  _, eval_stats = pipeline.prepare_split(config, train=False)
+  assert pipeline.prepare_split(config, train=False)[1] == eval_stats
+  _, train_stats = pipeline.prepare_split(jsonl_config(tmp_path), train=True)
+  _, other_stats = pipeline.prepare_split(jsonl_config(tmp_path, ROWS[::-1]), train=True)
+  assert len({eval_stats.fingerprint, train_stats.fingerprint, other_stats.fingerprint}) == 3
+  assert pipeline.DataStats(train=train_stats, eval=eval_stats).to_dict()["eval"]["num_examples"] == 500
+
+
+def test_train_iterator_resumes_in_the_same_order_and_eval_repeats(tmp_path):
+  config = jsonl_config(tmp_path, ROWS * 5, "eval_interval=1")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  train, evaluation, _ = pipeline.make_sft_iterators(config, mesh)
+  for _ in range(3):
+    next(train)
+  state = train.local_iterator.get_state()
+  expected = [np.asarray(next(train)["inputs"]) for _ in range(3)]
+  resumed, _, _ = pipeline.make_sft_iterators(config, mesh)
+  resumed.local_iterator.set_state(state)
+  for batch in expected:
+    np.testing.assert_array_equal(np.asarray(next(resumed)["inputs"]), batch)
+  first = [np.asarray(batch["inputs"]) for batch in evaluation]
+  second = [np.asarray(batch["inputs"]) for batch in evaluation]
+  assert first and all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_load_eval_examples(tmp_path):
+  config = jsonl_config(tmp_path)
+  examples = pipeline.load_eval_examples(config, 2)
+  assert [e["completion_text"] for e in examples] == [r["answer"] for r in ROWS[:2]]
+  assert examples[0]["prompt_text"] == config.prompt_template.format(prompt=ROWS[0]["question"])
+  assert examples[0]["prompt_ids"] == pipeline.Encoder.from_config(config).prompt_ids(ROWS[0]["question"])
+
+
+def test_extract_answer():
+  assert pipeline.extract_answer("3 + 5 = 8\n#### 8") == "8"
+  assert pipeline.extract_answer("#### $1,234.0") == "1234"
+  assert pipeline.extract_answer("#### -3.50.") == "-3.5"
+  assert pipeline.extract_answer("no marker 12") is None
+  assert pipeline.extract_answer("#### none") is None
+
+
+@pytest.mark.skipif(not os.path.exists(GSM8K), reason="GSM8K is not beside the repository")
+def test_gsm8k_jsonl(tmp_path):
+  config = make_config(tmp_path, "grain_file_type=jsonl", f"grain_train_files={GSM8K}/train.jsonl")
+  _, stats = pipeline.prepare_split(config, train=True)
+  assert stats.num_examples == 7473
+  with open(os.path.join(GSM8K, "test.jsonl"), encoding="utf-8") as f:
+    answers = [pipeline.extract_answer(json.loads(line)["answer"]) for line in f]
+  assert len(answers) == 1319 and all(answer is not None and float(answer) == float(answer) for answer in answers)
