@@ -74,7 +74,7 @@ def main(argv):
       params_shardings,
       mesh=loop.mesh,
   )
-  batch = next(loop.data.train)
+  batch = loop.train_batches.load_next_batch()
   state = loop.state
   times = {"sft": [], "pretrain": []}
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):

@@ -26,9 +26,7 @@ def mismatches(stored_params, expected_params) -> list[str]:
   problems = [f"{k}: missing from the checkpoint (model has {expected[k]})" for k in expected if k not in stored]
   problems += [f"{k}: in the checkpoint {stored[k]} but not in the model" for k in stored if k not in expected]
   problems += [
-      f"{k}: checkpoint {stored[k]} vs model {expected[k]}"
-      for k in expected
-      if k in stored and stored[k] != expected[k]
+      f"{k}: checkpoint {stored[k]} vs model {expected[k]}" for k in expected if k in stored and stored[k] != expected[k]
   ]
   return problems
 

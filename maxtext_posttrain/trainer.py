@@ -9,6 +9,7 @@ contains nothing objective-specific.
 
 import dataclasses
 import datetime
+import json
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.common import checkpointing
+from maxtext.common import data_loader
 from maxtext.common import metric_logger
 from maxtext.common import train_state_nnx
 from maxtext.utils import gradient_accumulation
@@ -45,6 +47,7 @@ class Loop:
   state_mesh_shardings: nnx.State
   checkpoint_manager: Any
   data: objectives.ObjectiveData
+  train_batches: data_loader.DataLoader  # MaxText's loader: places `data.train` batches on the input sharding
   learning_rate_schedule: Any
   p_train_step: Any
   p_eval_step: Any
@@ -85,6 +88,21 @@ def _loss_and_grads(objective, config, model, params_shardings, batch):
   (loss, (out, new_rest)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
   nnx.update(model, new_rest)
   return loss, out.weight, out.metrics, grads
+
+
+class MetricLogger(metric_logger.MetricLogger):
+  """MaxText's logger, except that `metrics_file` is emptied once per fresh run rather than whenever a row for
+  step 0 is written, so the evaluation before the first step stays in the file."""
+
+  def __init__(self, config, learning_rate_schedule, start_step=0):
+    super().__init__(config, learning_rate_schedule, start_step)
+    if config.metrics_file and start_step == 0 and jax.process_index() == 0:
+      open(config.metrics_file, "w", encoding="utf-8").close()
+
+  def write_metrics_locally(self, metrics, step):
+    with open(self.config.metrics_file, "a", encoding="utf-8") as f:
+      row = metric_logger._prepare_metrics_for_json(metrics, step, self.config.run_name)  # pylint: disable=protected-access
+      f.write(json.dumps(row) + "\n")
 
 
 def make_train_step(objective):
@@ -181,6 +199,7 @@ def setup(config) -> Loop:
       state_mesh_shardings=state_mesh_shardings,
       checkpoint_manager=checkpoint_manager,
       data=data,
+      train_batches=data_loader.DataLoader(config, mesh, data.train, None),
       learning_rate_schedule=learning_rate_schedule,
       p_train_step=p_train_step,
       p_eval_step=p_eval_step,
@@ -189,7 +208,7 @@ def setup(config) -> Loop:
   )
 
 
-def evaluate(loop: Loop, logger: metric_logger.MetricLogger | None = None) -> dict[str, float]:
+def evaluate(loop: Loop, logger: MetricLogger | None = None) -> dict[str, float]:
   """Held-out loss over `eval_steps` batches plus the objective's own evaluation; logs and returns the scalars."""
   config = loop.config
   results = {}
@@ -219,7 +238,7 @@ def evaluate(loop: Loop, logger: metric_logger.MetricLogger | None = None) -> di
 def train(loop: Loop) -> dict[str, Any]:
   """Runs steps `loop.step .. config.steps`, evaluating every `eval_interval` steps; returns a summary."""
   config = loop.config
-  logger = metric_logger.MetricLogger(config, loop.learning_rate_schedule, start_step=loop.start_step)
+  logger = MetricLogger(config, loop.learning_rate_schedule, start_step=loop.start_step)
   logger.write_setup_info_to_tensorboard(loop.state.model.filter(nnx.Param))
   eval_due = config.eval_interval > 0
   summary = {"start_step": loop.start_step, "evals": {}}
@@ -231,7 +250,7 @@ def train(loop: Loop) -> dict[str, Any]:
   try:
     while loop.step < config.steps:
       step = loop.step
-      batch = loop.objective.before_step(loop, next(loop.data.train))
+      batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
       with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
         loop.state, metrics = loop.p_train_step(loop.state, batch)
       now = datetime.datetime.now()

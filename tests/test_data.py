@@ -1,5 +1,6 @@
 """Tests for maxtext_posttrain.data: generator, TFDS builder, record sources and the SFT pipeline (CPU, seconds)."""
 
+import functools
 import json
 import os
 import sys
@@ -9,15 +10,12 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from maxtext.configs import pyconfig
 from maxtext.utils import maxtext_utils
-from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import arithmetic_tfds
 from maxtext_posttrain.data import pipeline
+from tests.conftest import GSM8K
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k")
 ROWS = [
     {"question": "Tom has 3 apples and buys 5 more. How many apples does Tom have now?", "answer": "3 + 5 = 8\n#### 8"},
     {"question": "Ana has 9 pens and loses 4. How many pens are left?", "answer": "9 - 4 = 5\n#### 5"},
@@ -26,11 +24,10 @@ ROWS = [
 ]
 
 
-def make_config(tmp_path, *overrides):
-  """A tiny SFT config from configs/sft.yml (the objective registry is not needed to read data)."""
-  argv = ["", os.path.join(REPO, "configs", "sft.yml"), "run_name=t", f"base_output_directory={tmp_path}/out"]
-  argv += [f"tokenizer_path={REPO}/maxtext_posttrain/assets/arithmetic.model", "per_device_batch_size=2"]
-  return pyconfig.initialize(argv + list(overrides), config_class=config_lib.PostTrainConfig)
+@pytest.fixture
+def small_config(make_config):
+  """A tiny SFT config from configs/sft.yml with a 2-row batch, for pipeline tests."""
+  return functools.partial(make_config, "per_device_batch_size=2")
 
 
 def write_jsonl(path, rows):
@@ -38,16 +35,9 @@ def write_jsonl(path, rows):
   return str(path)
 
 
-def jsonl_config(tmp_path, rows=ROWS, *overrides):
+def jsonl_config(small_config, tmp_path, rows=ROWS, *overrides):
   train = write_jsonl(tmp_path / "train.jsonl", rows)
-  return make_config(
-      tmp_path, "grain_file_type=jsonl", f"grain_train_files={train}", f"grain_eval_files={train}", *overrides
-  )
-
-
-@pytest.fixture(scope="module")
-def tfds_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
+  return small_config("grain_file_type=jsonl", f"grain_train_files={train}", f"grain_eval_files={train}", *overrides)
 
 
 def test_generator_is_deterministic_and_splits_are_disjoint():
@@ -78,32 +68,32 @@ def test_tfds_builder_builds_offline_and_reads_through_grain(tmp_path):
   assert "tensorflow" not in sys.modules
 
 
-def test_tfds_source_is_built_on_first_use(tmp_path, tfds_dir):
-  config = make_config(tmp_path, f"dataset_path={tfds_dir}", "eval_interval=1")
+def test_tfds_source_is_built_on_first_use(tmp_path, tfds_dir, small_config):
+  config = small_config("eval_interval=1")
   examples, stats = pipeline.prepare_split(config, train=False)
   assert stats.num_examples == len(examples) == 500
   assert stats.source == f"tfds:arithmetic_word_problems/easy[test] in {tfds_dir}"
 
 
-def test_jsonl_malformed_line_names_file_and_line(tmp_path):
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, small_config):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
-  config = make_config(tmp_path, "grain_file_type=jsonl", f"grain_train_files={path}")
+  config = small_config("grain_file_type=jsonl", f"grain_train_files={path}")
   with pytest.raises(ValueError, match=f"{path}:2: malformed JSON"):
     pipeline.prepare_split(config, train=True)
 
 
-def test_jsonl_missing_field_names_field_file_and_line(tmp_path):
-  config = jsonl_config(tmp_path, ROWS[:2] + [{"question": "q"}])
+def test_jsonl_missing_field_names_field_file_and_line(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, ROWS[:2] + [{"question": "q"}])
   with pytest.raises(ValueError, match=r"train.jsonl:3: missing field 'answer'"):
     pipeline.prepare_split(config, train=True)
 
 
-def test_empty_dataset_and_unknown_file_type(tmp_path):
+def test_empty_dataset_and_unknown_file_type(tmp_path, small_config):
   with pytest.raises(ValueError, match="Empty dataset: jsonl:.*train.jsonl"):
-    pipeline.prepare_split(jsonl_config(tmp_path, []), train=True)
+    pipeline.prepare_split(jsonl_config(small_config, tmp_path, []), train=True)
   with pytest.raises(ValueError, match="supported: tfds, jsonl"):
-    pipeline.prepare_split(make_config(tmp_path, "grain_file_type=parquet"), train=True)
+    pipeline.prepare_split(small_config("grain_file_type=parquet"), train=True)
 
 
 def long_rows():
@@ -113,22 +103,22 @@ def long_rows():
   ]
 
 
-def test_overlong_examples_are_truncated_or_skipped_and_counted(tmp_path):
-  config = jsonl_config(tmp_path, long_rows(), "max_target_length=64")
+def test_overlong_examples_are_truncated_or_skipped_and_counted(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, long_rows(), "max_target_length=64")
   examples, stats = pipeline.prepare_split(config, train=True)
   assert (stats.num_examples, stats.num_truncated, stats.num_skipped, len(examples)) == (4, 1, 1, 3)
   assert max(len(examples[i]["inputs"]) for i in range(3)) == 64
   assert stats.num_tokens == sum(len(examples[i]["inputs"]) for i in range(3))
 
 
-def test_overlong_error_policy_names_split_and_index(tmp_path):
-  config = jsonl_config(tmp_path, long_rows(), "max_target_length=64", "overlong_policy=error")
+def test_overlong_error_policy_names_split_and_index(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, long_rows(), "max_target_length=64", "overlong_policy=error")
   with pytest.raises(ValueError, match="train example 2 of jsonl:"):
     pipeline.prepare_split(config, train=True)
 
 
-def test_completion_only_masking(tmp_path):
-  config = jsonl_config(tmp_path, ROWS, "packing=false", "enable_data_shuffling=false")
+def test_completion_only_masking(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, ROWS, "packing=false", "enable_data_shuffling=false")
   mesh = maxtext_utils.get_mesh_from_config(config)
   train, _, _ = pipeline.make_sft_iterators(config, mesh)
   batch = {k: np.asarray(v) for k, v in next(train).items()}
@@ -144,8 +134,8 @@ def test_completion_only_masking(tmp_path):
     np.testing.assert_array_equal(batch["targets"][row, len(prompt) - 1 : length - 1], completion)
 
 
-def test_packed_batches_restart_positions_per_segment(tmp_path):
-  config = jsonl_config(tmp_path, ROWS, "packing=true")
+def test_packed_batches_restart_positions_per_segment(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, ROWS, "packing=true")
   mesh = maxtext_utils.get_mesh_from_config(config)
   train, _, _ = pipeline.make_sft_iterators(config, mesh)
   batch = {k: np.asarray(v) for k, v in next(train).items()}
@@ -156,18 +146,18 @@ def test_packed_batches_restart_positions_per_segment(tmp_path):
   assert set(np.unique(batch["targets_segmentation"])) <= set(np.unique(segments))
 
 
-def test_fingerprint_is_stable_and_tracks_the_data(tmp_path, tfds_dir):
-  config = make_config(tmp_path, f"dataset_path={tfds_dir}", "eval_interval=1")
+def test_fingerprint_is_stable_and_tracks_the_data(tmp_path, tfds_dir, small_config):
+  config = small_config("eval_interval=1")
   _, eval_stats = pipeline.prepare_split(config, train=False)
   assert pipeline.prepare_split(config, train=False)[1] == eval_stats
-  _, train_stats = pipeline.prepare_split(jsonl_config(tmp_path), train=True)
-  _, other_stats = pipeline.prepare_split(jsonl_config(tmp_path, ROWS[::-1]), train=True)
+  _, train_stats = pipeline.prepare_split(jsonl_config(small_config, tmp_path), train=True)
+  _, other_stats = pipeline.prepare_split(jsonl_config(small_config, tmp_path, ROWS[::-1]), train=True)
   assert len({eval_stats.fingerprint, train_stats.fingerprint, other_stats.fingerprint}) == 3
   assert pipeline.DataStats(train=train_stats, eval=eval_stats).to_dict()["eval"]["num_examples"] == 500
 
 
-def test_train_iterator_resumes_in_the_same_order_and_eval_repeats(tmp_path):
-  config = jsonl_config(tmp_path, ROWS * 5, "eval_interval=1")
+def test_train_iterator_resumes_in_the_same_order_and_eval_repeats(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path, ROWS * 5, "eval_interval=1")
   mesh = maxtext_utils.get_mesh_from_config(config)
   train, evaluation, _ = pipeline.make_sft_iterators(config, mesh)
   for _ in range(3):
@@ -183,8 +173,8 @@ def test_train_iterator_resumes_in_the_same_order_and_eval_repeats(tmp_path):
   assert first and all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def test_load_eval_examples(tmp_path):
-  config = jsonl_config(tmp_path)
+def test_load_eval_examples(tmp_path, small_config):
+  config = jsonl_config(small_config, tmp_path)
   examples = pipeline.load_eval_examples(config, 2)
   assert [e["completion_text"] for e in examples] == [r["answer"] for r in ROWS[:2]]
   assert examples[0]["prompt_text"] == config.prompt_template.format(prompt=ROWS[0]["question"])
@@ -199,9 +189,8 @@ def test_extract_answer():
   assert pipeline.extract_answer("#### none") is None
 
 
-@pytest.mark.skipif(not os.path.exists(GSM8K), reason="GSM8K is not beside the repository")
-def test_gsm8k_jsonl(tmp_path):
-  config = make_config(tmp_path, "grain_file_type=jsonl", f"grain_train_files={GSM8K}/train.jsonl")
+def test_gsm8k_jsonl(tmp_path, small_config):
+  config = small_config("grain_file_type=jsonl", f"grain_train_files={GSM8K}/train.jsonl")
   _, stats = pipeline.prepare_split(config, train=True)
   assert stats.num_examples == 7473
   with open(os.path.join(GSM8K, "test.jsonl"), encoding="utf-8") as f:

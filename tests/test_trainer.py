@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxtext_posttrain import objectives
+from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain import trainer
 
 
@@ -30,7 +31,11 @@ def test_sft_learns_arithmetic(make_config, tmp_path):
   """A seeded run brings the training loss down and greedy held-out answer accuracy up from zero."""
   metrics = tmp_path / "metrics.jsonl"
   config = make_config(
-      "steps=200", "eval_interval=200", "eval_generation_examples=64", "enable_checkpointing=false", f"metrics_file={metrics}"
+      "steps=200",
+      "eval_interval=200",
+      "eval_generation_examples=64",
+      "enable_checkpointing=false",
+      f"metrics_file={metrics}",
   )
   _, summary = _run(config)
   losses = _losses(metrics)
@@ -99,3 +104,25 @@ def test_completion_only_loss_ignores_prompt_tokens(make_config):
     assert start > 3  # "Question: ..." is never scored
     assert np.all(grad[row, :start] == 0)
   assert np.all(np.abs(grad[weights]).sum(-1) > 0)
+
+
+def test_packed_and_padded_batches_give_the_same_loss(make_config, tmp_path):
+  """Packing changes batch layout only: summed loss and weight over the same examples are unchanged."""
+  rows = arithmetic.generate("easy", "test", 40, seed=3)
+  path = tmp_path / "examples.jsonl"
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  files = ("grain_file_type=jsonl", f"grain_train_files={path}", f"grain_eval_files={path}", "eval_interval=1")
+  packed = trainer.setup(make_config(*files, "packing=true", run_name="packed"))
+  padded_config = make_config(*files, "packing=false", run_name="padded")
+  padded_data = objectives.get("sft")(padded_config).make_data(packed.mesh)
+  model = packed.policy()
+
+  def summed(batches):
+    outs = [packed.objective.loss(model, batch, is_train=False) for batch in batches]
+    return sum(float(o.total) for o in outs), sum(float(o.weight) for o in outs), len(outs)
+
+  packed_total, packed_weight, packed_batches = summed(packed.data.eval)
+  padded_total, padded_weight, padded_batches = summed(padded_data.eval)
+  assert packed_batches < padded_batches  # packing did put several examples in a row
+  assert packed_weight == padded_weight > 0
+  np.testing.assert_allclose(packed_total / packed_weight, padded_total / padded_weight, rtol=1e-5)

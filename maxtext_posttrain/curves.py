@@ -1,0 +1,43 @@
+"""Training curves as a PNG from MaxText's `metrics_file` JSONL (train rows and our eval rows)."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+
+
+def read_metrics(metrics_file: str) -> tuple[dict[int, dict], dict[int, dict]]:
+  """(train rows, eval rows) keyed by step; eval rows are those carrying `eval/...` scalars."""
+  train, evals = {}, {}
+  with open(metrics_file, encoding="utf-8") as f:
+    for line in f:
+      row = json.loads(line)
+      step = int(row["step"])
+      if "learning/loss" in row:
+        train[step] = row
+      if any(k.startswith("eval/") for k in row):
+        evals[step] = row
+  return train, evals
+
+
+def plot_run(metrics_file: str, png_path: str) -> str:
+  """Training loss per step next to held-out loss and answer accuracy at each evaluation; returns `png_path`."""
+  train, evals = read_metrics(metrics_file)
+  fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  steps = sorted(train)
+  loss_ax.plot(steps, [train[s]["learning/loss"] for s in steps], label="train loss", linewidth=1)
+  eval_steps = sorted(s for s in evals if "eval/loss" in evals[s])
+  loss_ax.plot(eval_steps, [evals[s]["eval/loss"] for s in eval_steps], "o-", label="held-out loss")
+  loss_ax.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
+  loss_ax.legend()
+  for key, label in (("eval/answer_accuracy", "answer accuracy"), ("eval/format_accuracy", "format accuracy")):
+    points = sorted(s for s in evals if key in evals[s])
+    acc_ax.plot(points, [evals[s][key] for s in points], "o-", label=label)
+  acc_ax.set(xlabel="step", ylabel="fraction of held-out prompts", ylim=(-0.02, 1.02), title="Greedy generations")
+  acc_ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+  return png_path

@@ -1,0 +1,5 @@
+"""Rollouts with MaxText's own decode path (prefill + autoregressive over the KV cache)."""
+
+from maxtext_posttrain.rollout.sampler import Sampler
+
+__all__ = ["Sampler"]

@@ -1,0 +1,42 @@
+"""The same SFT steps on 1 device and on 4 fake CPU devices (fsdp x tensor, and MaxText's pipeline) agree."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import conftest
+from tests import multidevice_losses
+
+STEPS = 3
+# Same global batch (16) everywhere, and one learning-rate schedule independent of `steps`.
+COMMON = ["learning_rate_schedule_steps=8"]
+LAYOUTS = [
+    ["per_device_batch_size=4", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *COMMON],
+    ["per_device_batch_size=4", "ici_pipeline_parallelism=2", "ici_data_parallelism=2", *COMMON],
+]
+
+
+def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir):
+  single, _ = multidevice_losses.first_losses(
+      str(tmp_path), str(tfds_dir), STEPS, ["per_device_batch_size=16", *COMMON], "single"
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(conftest.REPO))
+  completed = subprocess.run(
+      [sys.executable, str(conftest.REPO / "tests" / "multidevice_losses.py"), str(tmp_path), str(tfds_dir)]
+      + [str(STEPS), json.dumps(LAYOUTS)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  assert completed.returncode == 0, completed.stderr[-4000:]
+  results = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  assert [r["overrides"] for r in results] == LAYOUTS
+  assert results[0]["mesh"]["fsdp"] == 2 and results[0]["mesh"]["tensor"] == 2
+  assert results[1]["mesh"]["stage"] == 2
+  for result in results:
+    np.testing.assert_allclose(result["losses"], single["losses"], rtol=2e-5, err_msg=str(result["overrides"]))
