@@ -99,6 +99,13 @@ class MetricLogger(metric_logger.MetricLogger):
     if config.metrics_file and start_step == 0 and jax.process_index() == 0:
       open(config.metrics_file, "w", encoding="utf-8").close()
 
+  def write_scalars(self, scalars: dict[str, float], step: int, metric_type: str) -> None:
+    """Rows outside MaxText's train/eval schema (our evaluations, data counts): TensorBoard and metrics_file."""
+    if self.config.enable_tensorboard:
+      self.write_metrics_to_tensorboard({"scalar": scalars}, step, metric_type)
+    if self.config.metrics_file:
+      self.write_metrics_locally({"scalar": scalars}, step)
+
   def write_metrics_locally(self, metrics, step):
     with open(self.config.metrics_file, "a", encoding="utf-8") as f:
       row = metric_logger._prepare_metrics_for_json(metrics, step, self.config.run_name)  # pylint: disable=protected-access
@@ -227,12 +234,20 @@ def evaluate(loop: Loop, logger: MetricLogger | None = None) -> dict[str, float]
   results |= loop.objective.evaluate(loop)
   max_logging.log(f"[eval after {loop.step} steps] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
   if logger is not None:
-    # MaxText's eval summary line expects its own eval keys; these rows go straight to TensorBoard and metrics_file.
-    if config.enable_tensorboard:
-      logger.write_metrics_to_tensorboard({"scalar": results}, loop.step, "eval")
-    if config.metrics_file:
-      logger.write_metrics_locally({"scalar": results}, loop.step)
+    logger.write_scalars(results, loop.step, "eval")
   return results
+
+
+def _numeric_leaves(tree: dict, prefix: str) -> dict[str, float]:
+  """`{"train": {"num_truncated": 3}}` -> `{"<prefix>/train/num_truncated": 3.0}`; strings are skipped."""
+  flat = {}
+  for key, value in tree.items():
+    name = f"{prefix}/{key}"
+    if isinstance(value, dict):
+      flat |= _numeric_leaves(value, name)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      flat[name] = float(value)
+  return flat
 
 
 def train(loop: Loop) -> dict[str, Any]:
@@ -240,6 +255,8 @@ def train(loop: Loop) -> dict[str, Any]:
   config = loop.config
   logger = MetricLogger(config, loop.learning_rate_schedule, start_step=loop.start_step)
   logger.write_setup_info_to_tensorboard(loop.state.model.filter(nnx.Param))
+  # Example counts (truncated, skipped, tokens) of each split, so they sit beside the curves they explain.
+  logger.write_scalars(_numeric_leaves(loop.data.description, "data"), loop.step, "data")
   eval_due = config.eval_interval > 0
   summary = {"start_step": loop.start_step, "evals": {}}
   if eval_due and loop.step == 0:

@@ -64,6 +64,8 @@ def test_train_module_on_maxtexts_base_yml(tmp_path, tfds_dir):
   assert "[train] step 3/3" in completed.stderr
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [int(r["step"]) for r in rows if "learning/loss" in r] == [0, 1, 2]
+  (data_row,) = [r for r in rows if "data/train/num_examples" in r]
+  assert data_row["data/train/num_examples"] == 20000 and data_row["data/train/num_truncated"] == 0
   manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
   assert manifest["posttrain_mode"] == "sft"
   assert len(manifest["data"]["train"]["fingerprint"]) == 64

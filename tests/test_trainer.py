@@ -9,6 +9,7 @@ import pytest
 
 from maxtext_posttrain import objectives
 from maxtext_posttrain.data import arithmetic
+from tests import multidevice_losses
 from maxtext_posttrain import trainer
 
 
@@ -126,3 +127,13 @@ def test_packed_and_padded_batches_give_the_same_loss(make_config, tmp_path):
   assert packed_batches < padded_batches  # packing did put several examples in a row
   assert packed_weight == padded_weight > 0
   np.testing.assert_allclose(packed_total / packed_weight, padded_total / padded_weight, rtol=1e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, tfds_dir):
+  """Two microbatches of 8 update exactly like one batch of 16: both normalise by the tokens of all 16 rows."""
+  common = ["learning_rate_schedule_steps=8"]
+  big, _ = multidevice_losses.first_losses(tmp_path, tfds_dir, 3, ["per_device_batch_size=16", *common], "big")
+  accumulated, _ = multidevice_losses.first_losses(
+      tmp_path, tfds_dir, 3, ["per_device_batch_size=8", "gradient_accumulation_steps=2", *common], "accumulated"
+  )
+  np.testing.assert_allclose(accumulated["losses"], big["losses"], rtol=2e-5)

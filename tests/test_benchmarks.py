@@ -1,0 +1,17 @@
+"""The benchmark harness runs end to end and writes its JSON row (timings themselves are not asserted)."""
+
+import json
+
+from benchmarks import sft_vs_pretrain
+
+
+def test_sft_vs_pretrain_writes_a_row(tmp_path, tfds_dir, capsys):
+  output = tmp_path / "bench.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=128"]
+  sft_vs_pretrain.main(["", "--repeats=2", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
+  (row,) = json.loads(output.read_text())
+  assert row["objective"] == "sft" and row["model_parameters"] < 1e6
+  assert len(row["step_times_s"]["sft"]) == len(row["step_times_s"]["pretrain"]) == 2
+  assert row["ratio"] == row["step_time_s"] / row["pretrain_step_time_s"] > 0
+  printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"objective"')]
+  assert json.loads(printed[-1])["ratio"] == row["ratio"]
