@@ -10,11 +10,13 @@ import os
 from typing import Literal
 
 import jax
+import pathwaysutils
 from pydantic import Field, model_validator
 
 from maxtext.configs import pyconfig
 from maxtext.configs import types
 from maxtext.utils import max_logging
+from maxtext.utils import train_utils
 
 # Relative asset paths in our configs (e.g. the bundled tokenizer) resolve from the current directory first,
 # then from the directory that holds the package, so runs work from any working directory.
@@ -36,17 +38,21 @@ class PostTrainConfig(types.MaxTextConfig):
       description="Examples longer than max_target_length: 'truncate' (and count them) or 'error'.",
   )
   eval_generation_examples: int = Field(
-      0, ge=0, description="Held-out prompts decoded greedily at each eval to report answer accuracy (0: off)."
+      0,
+      ge=0,
+      description="Held-out prompts decoded greedily at each eval to report answer accuracy (0: off). As in MaxText's "
+      "decoding, prompts fill up to max_prefill_predict_length and generation up to max_target_length.",
   )
-  max_new_tokens: int = Field(64, gt=0, description="Tokens generated per prompt when decoding.")
 
   @model_validator(mode="after")
   def _posttrain_defaults(self):
-    """Resolves bundled asset paths and fixes the accumulation semantics of our loop."""
+    """Resolves bundled asset paths; aligns MaxText's SFT switch and accumulation semantics with our loop."""
     if self.tokenizer_path and not os.path.exists(self.tokenizer_path):
       bundled = os.path.join(_PACKAGE_PARENT, self.tokenizer_path)
       if os.path.exists(bundled):
         self.tokenizer_path = bundled
+    if self.posttrain_mode == "sft":
+      self.use_sft = True  # what MaxText's SFT configs set; posttrain_mode=sft implies it
     if self.use_tunix_gradient_accumulation:
       # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
       # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.
@@ -56,13 +62,21 @@ class PostTrainConfig(types.MaxTextConfig):
 
 
 def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
-  """Builds the config from MaxText-style argv (`[prog, config.yml, key=value, ...]`) and checks the mode."""
+  """Builds the config from MaxText-style argv (`[prog, config.yml, key=value, ...]`), checks it, and applies the
+  process-wide settings MaxText's train.py applies.
+
+  One of MaxText's settings is left out on purpose: its switch of the default PRNG to `unsafe_rbg`. With JAX's
+  default (partitionable threefry) a model initialises to the same weights on any mesh, which is what makes runs
+  comparable across 1 device, fsdp x tensor meshes and pods; post-training mostly starts from a checkpoint anyway.
+  """
   # pylint: disable=import-outside-toplevel
   from maxtext_posttrain import objectives
 
+  pathwaysutils.initialize()
   config = pyconfig.initialize(argv, config_class=PostTrainConfig, **kwargs)
   objectives.get(config.posttrain_mode)  # fails listing the registered modes
-  # The process-wide settings MaxText's train.py applies after reading its config.
+  train_utils.validate_train_config(config)
   jax.config.update("jax_use_shardy_partitioner", config.shardy)
   jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+  os.environ["TFDS_DATA_DIR"] = config.dataset_path or ""
   return config

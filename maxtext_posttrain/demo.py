@@ -44,7 +44,9 @@ def results_table(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-  overrides = [a for a in argv[1:] if "=" in a]
+  overrides = list(argv[1:])
+  if not all("=" in a for a in overrides):
+    raise app.UsageError(f"Arguments must be key=value overrides of configs/sft.yml, got {overrides}.")
   config = posttrain_config.initialize(["", _REPO_CONFIG, *DEFAULTS, *overrides])
   os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
   loop = trainer.setup(config)

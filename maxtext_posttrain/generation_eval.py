@@ -23,8 +23,9 @@ def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
     loop.cache["greedy_eval"] = (rollout.Sampler(config, loop.mesh), encoder, examples)
   sampler, encoder, examples = loop.cache["greedy_eval"]
   eos_id = encoder.tokenizer.eos_id
+  max_new_tokens = config.max_target_length - config.max_prefill_predict_length  # MaxText's decode budget
   outputs = sampler.generate(
-      loop.state.model.filter(nnx.Param), [e["prompt_ids"] for e in examples], config.max_new_tokens, eos_id
+      loop.state.model.filter(nnx.Param), [e["prompt_ids"] for e in examples], max_new_tokens, eos_id
   )
   texts = [encoder.tokenizer.decode([t for t in ids if t != eos_id]) for ids in outputs]
   answers = [pipeline.extract_answer(text) for text in texts]

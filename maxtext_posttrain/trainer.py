@@ -120,11 +120,15 @@ def make_train_step(objective):
     train_state = nnx.merge(graphdef, state)
     nnx.pop(train_state.model, nnx.Intermediate)
     loss, weight, metric_sums, raw_grads = _loss_and_grads(objective, config, train_state.model, params_shardings, data)
+    raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
     if config.gradient_clipping_threshold > 0:
       grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
     else:
       grads = raw_grads
-    train_state.apply_gradients(grads)
+    if config.skip_step_on_spikes:  # MaxText's spike-skipping optimizer reads the loss and gradient norm
+      train_state.apply_gradients(grads, loss=loss, grad_norm=max_utils.l2norm_pytree(grads))
+    else:
+      train_state.apply_gradients(grads)
     scalars = {
         "learning/loss": loss,
         "learning/total_weights": weight,
@@ -139,16 +143,36 @@ def make_train_step(objective):
 
 
 def make_eval_step(objective):
-  """An eval step with MaxText's signature; the metric logger sums `total_loss` and `total_weights` over batches."""
+  """An eval step with MaxText's signature, returning the (total, weight) of the objective's loss on one batch."""
 
   def eval_step(graphdef, config, state, data, dropout_rng=None):
     del config, dropout_rng
     out = objective.loss(nnx.merge(graphdef, state).model, data, False)
-    scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
-    scalars |= {f"evaluation/{k}": v for k, v in out.metrics.items()}
-    return {"scalar": scalars}
+    return {"scalar": {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}}
 
   return eval_step
+
+
+# MaxText training features that this loop's step does not carry yet; each fails at start instead of being ignored.
+_UNSUPPORTED = (
+    (lambda c: c.num_experts > 1, "mixture-of-experts models (num_experts > 1): their load-balance loss"),
+    (lambda c: c.mtp_num_layers > 0, "multi-token prediction (mtp_num_layers > 0)"),
+    (lambda c: c.use_indexer, "the attention indexer (use_indexer)"),
+    (lambda c: c.num_vocab_tiling > 1, "vocabulary tiling (num_vocab_tiling > 1)"),
+    (lambda c: c.quantization in ("fp8", "nanoo_fp8"), "fp8 training (quantization=fp8/nanoo_fp8): its amax state"),
+    (lambda c: c.parameter_memory_host_offload, "parameter_memory_host_offload"),
+    (lambda c: c.optimizer_memory_host_offload, "optimizer_memory_host_offload"),
+    (lambda c: c.shard_optimizer_over_data, "shard_optimizer_over_data (ZeRO-1)"),
+    (lambda c: c.enable_diloco, "DiLoCo (enable_diloco)"),
+    (lambda c: c.use_qk_clip, "QK-clip (use_qk_clip)"),
+)
+
+
+def check_supported(config) -> None:
+  """Raises ValueError naming every enabled MaxText training feature that the post-training step lacks."""
+  enabled = [name for applies, name in _UNSUPPORTED if applies(config)]
+  if enabled:
+    raise ValueError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
 
 
 def _eval_data_sharding(config, mesh):
@@ -157,6 +181,7 @@ def _eval_data_sharding(config, mesh):
 
 def setup(config) -> Loop:
   """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
+  check_supported(config)
   objective = objectives.get(config.posttrain_mode)(config)
   if objective.roles:
     raise NotImplementedError(f"posttrain_mode={objective.name} needs roles {objective.roles}; none is built yet.")
@@ -220,22 +245,28 @@ def evaluate(loop: Loop, logger: MetricLogger | None = None) -> dict[str, float]
   config = loop.config
   results = {}
   if loop.p_eval_step is not None:
-    total, weight = 0.0, 0.0
+    total, weight = 0.0, 0.0  # summed on device; read once after the last batch
     loop.data.eval.reset()
     for eval_count, batch in enumerate(loop.data.eval):
       batch = jax.device_put(batch, _eval_data_sharding(config, loop.mesh))
       with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules_for_eval):
         scalars = loop.p_eval_step(loop.state, batch)["scalar"]
-      total += float(scalars["evaluation/total_loss"])
-      weight += float(scalars["evaluation/total_weights"])
+      total += scalars["evaluation/total_loss"]
+      weight += scalars["evaluation/total_weights"]
       if 0 < config.eval_steps <= eval_count + 1:
         break
-    results["eval/loss"] = total / max(weight, 1.0)
+    results["eval/loss"] = float(total) / max(float(weight), 1.0)
   results |= loop.objective.evaluate(loop)
   max_logging.log(f"[eval after {loop.step} steps] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
   if logger is not None:
     logger.write_scalars(results, loop.step, "eval")
   return results
+
+
+def _check_batch_keys(objective: objectives.Objective, batch: dict) -> None:
+  missing = sorted(set(objective.batch_keys) - set(batch))
+  if missing:
+    raise ValueError(f"posttrain_mode={objective.name}: batches lack {missing} (they carry {sorted(batch)}).")
 
 
 def _numeric_leaves(tree: dict, prefix: str) -> dict[str, float]:
@@ -268,6 +299,8 @@ def train(loop: Loop) -> dict[str, Any]:
     while loop.step < config.steps:
       step = loop.step
       batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+      if step == loop.start_step:
+        _check_batch_keys(loop.objective, batch)
       with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
         loop.state, metrics = loop.p_train_step(loop.state, batch)
       now = datetime.datetime.now()
@@ -275,11 +308,18 @@ def train(loop: Loop) -> dict[str, Any]:
       loop.step = step + 1
       checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train, step)
       loop.objective.after_step(loop, step, metrics)
+      reached_target = False
       if eval_due and loop.step % config.eval_interval == 0:
-        summary["evals"][loop.step] = evaluate(loop, logger)
+        results = summary["evals"][loop.step] = evaluate(loop, logger)
+        reached_target = 0 < results.get("eval/loss", float("inf")) <= config.target_eval_loss
       logger.buffer_and_write_metrics(metrics, step, step_time)
-      if loop.step % config.log_period == 0 or loop.step == config.steps:
+      if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
         meter.report(loop.step, float(metrics["scalar"]["learning/loss"]))
+      if reached_target:
+        max_logging.log(
+            f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."
+        )
+        break
     if config.save_checkpoint_on_completion:
       checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train)
     if loop.checkpoint_manager is not None:

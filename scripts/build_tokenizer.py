@@ -2,8 +2,8 @@
 
 A 512-piece vocabulary keeps the embedding and softmax tiny, so CPU runs are fast, and single-digit pieces make
 arithmetic learnable (a model never has to memorise multi-digit tokens). The model is trained on the bundled
-arithmetic problems (all difficulties) plus GSM8K train when it is present, single-threaded with a fixed seed, so a
-rebuild reproduces the committed file byte for byte. Special ids follow what MaxText's SentencePieceTokenizer reads
+arithmetic problems (all difficulties) plus GSM8K train (`--gsm8k ""` leaves it out, which gives another model),
+single-threaded with a fixed seed, so a rebuild reproduces the committed file byte for byte. Special ids follow what MaxText's SentencePieceTokenizer reads
 from the model: pad=0 (MaxText pads with it), unk=1, bos=2, eos=3.
 
   python scripts/build_tokenizer.py [--output PATH] [--gsm8k PATH] [--vocab_size N]   # after `pip install -e .`
@@ -36,8 +36,8 @@ def _arithmetic_text() -> list[str]:
 
 
 def _gsm8k_text(path: str) -> list[str]:
-  if not os.path.exists(path):
-    max_logging.log(f"GSM8K not found at {path}; training the tokenizer on the arithmetic problems only.")
+  if not path:
+    max_logging.log("Training the tokenizer on the arithmetic problems only (--gsm8k is empty).")
     return []
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]

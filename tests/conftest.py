@@ -4,8 +4,7 @@ import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+from tests.paths import REPO
 
 
 @pytest.fixture(scope="session")

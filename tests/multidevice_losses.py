@@ -11,7 +11,6 @@ Prints one JSON line per layout: {"overrides": [...], "mesh": {...}, "losses": [
 """
 
 import json
-import pathlib
 import sys
 
 import jax
@@ -21,8 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def _pipeline_layout(params: dict, scan_axis: int) -> dict:

@@ -7,14 +7,11 @@ import sys
 
 import pytest
 
-from maxtext.configs import pyconfig
-from tests import conftest
-
-MAXTEXT_BASE_YML = os.path.join(pyconfig.MAXTEXT_CONFIGS_DIR, "base.yml")
+from tests import paths
 
 
 def _train(*args, cwd):
-  env = dict(os.environ, PYTHONPATH=str(conftest.REPO))
+  env = dict(os.environ, PYTHONPATH=str(paths.REPO))
   return subprocess.run(
       [sys.executable, "-m", "maxtext_posttrain.train", *args],
       cwd=cwd,
@@ -29,7 +26,7 @@ def _train(*args, cwd):
 def test_train_module_on_maxtexts_base_yml(tmp_path, tfds_dir):
   """MaxText's installed base.yml + `posttrain_mode=sft` + data/model keys on the command line, from any cwd."""
   completed = _train(
-      MAXTEXT_BASE_YML,
+      paths.MAXTEXT_BASE_YML,
       "posttrain_mode=sft",
       "run_name=cli",
       f"base_output_directory={tmp_path}",
@@ -87,6 +84,6 @@ def test_unknown_key_is_named(make_config):
 
 
 def test_unknown_mode_exits_nonzero_from_the_command_line(tmp_path):
-  completed = _train(str(conftest.REPO / "configs" / "sft.yml"), "run_name=x", "posttrain_mode=nope", cwd=tmp_path)
+  completed = _train(str(paths.REPO / "configs" / "sft.yml"), "run_name=x", "posttrain_mode=nope", cwd=tmp_path)
   assert completed.returncode != 0
   assert "Unknown posttrain_mode 'nope'" in completed.stderr

@@ -14,7 +14,7 @@ from maxtext.utils import maxtext_utils
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import arithmetic_tfds
 from maxtext_posttrain.data import pipeline
-from tests.conftest import GSM8K
+from tests.paths import GSM8K
 
 ROWS = [
     {"question": "Tom has 3 apples and buys 5 more. How many apples does Tom have now?", "answer": "3 + 5 = 8\n#### 8"},

@@ -25,8 +25,9 @@ from maxtext.utils import model_creation_utils
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain.rollout import Sampler
 from maxtext_posttrain.rollout import sampler as sampler_module
+from tests import paths
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(paths.REPO)
 PREFILL_LENGTH = 64  # configs/sft.yml max_prefill_predict_length
 PROMPT_LENGTHS = (5, 30, 17, 1, PREFILL_LENGTH, 9, 12)
 MAX_NEW_TOKENS = 10

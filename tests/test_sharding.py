@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from tests import conftest
+from tests import paths
 from tests import multidevice_losses
 
 STEPS = 3
@@ -23,9 +23,9 @@ def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_d
   single, _ = multidevice_losses.first_losses(
       str(tmp_path), str(tfds_dir), STEPS, ["per_device_batch_size=16", *COMMON], "single"
   )
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(conftest.REPO))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
   completed = subprocess.run(
-      [sys.executable, str(conftest.REPO / "tests" / "multidevice_losses.py"), str(tmp_path), str(tfds_dir)]
+      [sys.executable, str(paths.REPO / "tests" / "multidevice_losses.py"), str(tmp_path), str(tfds_dir)]
       + [str(STEPS), json.dumps(LAYOUTS)],
       env=env,
       capture_output=True,

@@ -9,6 +9,8 @@ takes about a second, so it happens on first use.
 import dataclasses
 
 from etils import epath
+import jax
+from jax.experimental import multihost_utils
 import tensorflow_datasets as tfds
 
 from maxtext.utils import max_logging
@@ -67,10 +69,16 @@ class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
-  """The TFDS builder `name` (`builder/config[:version]`) in `data_dir`, built there first if it is missing."""
+  """The TFDS builder `name` (`builder/config[:version]`) in `data_dir`, built there first if it is missing.
+
+  Process 0 builds while the others wait, so hosts sharing a data_dir never write it concurrently.
+  """
   builder = tfds.builder(name, data_dir=data_dir, file_format=FILE_FORMAT)
-  if not builder.is_prepared():
+  if not builder.is_prepared() and jax.process_index() == 0:
     max_logging.log(f"Building TFDS dataset {name} into {builder.data_dir} (first use).")
     tfds.disable_progress_bar()
     builder.download_and_prepare()
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"prepared {name}")
+    builder = tfds.builder(name, data_dir=data_dir, file_format=FILE_FORMAT)
   return builder

@@ -220,6 +220,15 @@ def _host_iterator(examples, encoder, config, mesh, train: bool):
 
 
 def _check_supported(config):
+  """Fails on data settings this pipeline would otherwise ignore."""
+  if config.dataset_type != "grain":
+    raise ValueError(
+        f"The SFT pipeline reads dataset_type=grain (grain_file_type tfds or jsonl), got dataset_type="
+        f"{config.dataset_type}. MaxText's hf SFT pipeline builds chat templates with a Hugging Face tokenizer; "
+        "export such data to JSONL with prompt/completion fields instead."
+    )
+  if config.grain_use_elastic_iterator:
+    raise ValueError("grain_use_elastic_iterator is not supported by the maxtext_posttrain SFT pipeline.")
   if config.colocated_python_data_input:
     raise ValueError("colocated_python_data_input is not supported by the maxtext_posttrain SFT pipeline.")
   if 0 < config.expansion_factor_real_data < 1:

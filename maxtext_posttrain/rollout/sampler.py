@@ -26,6 +26,7 @@ from flax import nnx
 from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 
@@ -170,7 +171,8 @@ class Sampler:
     Args:
       params: the policy's weights, `nnx.state(model, nnx.Param)` of the trainer's model; used in place.
       prompts: token ids per prompt, each 1..max_prefill_predict_length long.
-      max_new_tokens: tokens to generate at most per prompt (e.g. the config's `max_new_tokens`).
+      max_new_tokens: tokens to generate at most per prompt (MaxText decodes max_target_length -
+        max_prefill_predict_length).
       eos_id: generation of a sequence stops after this token, which is included in its output.
     """
     if max_new_tokens < 1:
@@ -181,7 +183,8 @@ class Sampler:
     active = np.arange(tokens.shape[0]) < len(prompts)
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       out, out_lengths = decode(params, tokens, lengths, active, np.int32(eos_id))
-    out, out_lengths = jax.device_get((out, out_lengths))
+    # Gathered rather than fetched: on a multi-host mesh no process holds the whole batch.
+    out, out_lengths = multihost_utils.process_allgather((out, out_lengths), tiled=True)
     return [out[i, : out_lengths[i]].tolist() for i in range(len(prompts))]
 
   def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
