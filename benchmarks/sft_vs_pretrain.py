@@ -11,7 +11,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -22,27 +21,8 @@ from maxtext.trainers.pre_train import train as pretrain
 from maxtext.utils import sharding
 from maxtext.utils import train_utils
 
-from maxtext_posttrain import config as posttrain_config
+from benchmarks import harness
 from maxtext_posttrain import trainer
-
-# About 33M parameters: large enough that the step is compute, not dispatch overhead, on a CPU or an accelerator.
-BENCHMARK_MODEL = (
-    "base_emb_dim=512",
-    "base_num_query_heads=8",
-    "base_num_kv_heads=8",
-    "head_dim=64",
-    "base_mlp_dim=2048",
-    "base_num_decoder_layers=8",
-    "max_target_length=256",
-    "per_device_batch_size=8",
-)
-
-
-def _flag(argv, name, default):
-  for arg in argv:
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-  return default
 
 
 def _timed(step_fn, state, batch):
@@ -53,15 +33,10 @@ def _timed(step_fn, state, batch):
 
 
 def main(argv):
-  repeats = int(_flag(argv, "repeats", "10"))
-  output = _flag(argv, "output", "benchmark_sft_vs_pretrain.json")
-  args = [a for a in argv[1:] if not a.startswith("--")]
-  config_file = args.pop(0) if args and args[0].endswith(".yml") else "configs/sft.yml"
-  workdir = tempfile.mkdtemp(prefix="posttrain_bench_")
-  config = posttrain_config.initialize(
-      ["", config_file, *BENCHMARK_MODEL, "run_name=bench", f"base_output_directory={workdir}"]
-      + ["enable_checkpointing=false", "eval_interval=0", "steps=1000", *args]
-  )
+  args = harness.parse(argv)
+  repeats = int(args.flag("repeats", "10"))
+  output = args.flag("output", "benchmark_sft_vs_pretrain.json")
+  config = args.config("sft")
   loop = trainer.setup(config)
   params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.state_mesh_shardings)
   p_pretrain_step = train_utils.jit_train_step(

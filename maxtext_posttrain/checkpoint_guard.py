@@ -31,12 +31,14 @@ def mismatches(stored_params, expected_params) -> list[str]:
   return problems
 
 
-def check_compatible(checkpoint_manager, abstract_state) -> None:
+def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = False) -> None:
   """Raises ValueError naming the directory and the first mismatching parameters, if any.
 
   Args:
     checkpoint_manager: MaxText's orbax checkpointer for this run (None when checkpointing is off).
     abstract_state: `nnx.eval_shape` of the TrainStateNNX this config builds.
+    adapters_only: under LoRA MaxText stores only the adapters (and their optimizer state), so only those are
+      compared; a base of another shape still shows up as adapters of another shape.
   """
   if checkpoint_manager is None:
     return
@@ -45,7 +47,10 @@ def check_compatible(checkpoint_manager, abstract_state) -> None:
     return
   directory = checkpoint_manager.directory / str(step)
   stored = ocp.metadata(directory).metadata.get("params", {})
-  expected = train_state_nnx.to_checkpoint_dict(abstract_state).get("params", {})
+  expected = train_state_nnx.to_checkpoint_dict(abstract_state)
+  if adapters_only:
+    expected = checkpointing._filter_lora_trainable_state(expected) or {}  # pylint: disable=protected-access
+  expected = expected.get("params", {})
   problems = mismatches(stored, expected)
   if problems:
     listed = "\n  ".join(problems[:_MAX_LISTED])

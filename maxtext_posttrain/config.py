@@ -44,6 +44,12 @@ class PostTrainConfig(types.MaxTextConfig):
       "decoding, prompts fill up to max_prefill_predict_length and generation up to max_target_length.",
   )
 
+  lora_roles: list[str] = Field(
+      ["policy"],
+      description="Trained roles that get adapters when lora.enable_lora is set (policy, critic); the other "
+      "lora.* keys are MaxText's.",
+  )
+
   @model_validator(mode="after")
   def _posttrain_defaults(self):
     """Resolves bundled asset paths; aligns MaxText's SFT switch and accumulation semantics with our loop."""

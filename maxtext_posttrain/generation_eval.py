@@ -4,10 +4,9 @@ Held-out loss says how well the model predicts the reference solution; this says
 ends with the right `#### <answer>`. Used as the objectives' periodic evaluation.
 """
 
-from flax import nnx
-
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.peft import lora
 
 
 def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
@@ -25,7 +24,7 @@ def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
   eos_id = encoder.tokenizer.eos_id
   max_new_tokens = config.max_target_length - config.max_prefill_predict_length  # MaxText's decode budget
   outputs = sampler.generate(
-      loop.state.model.filter(nnx.Param), [e["prompt_ids"] for e in examples], max_new_tokens, eos_id
+      lora.policy_params(loop.policy(), config), [e["prompt_ids"] for e in examples], max_new_tokens, eos_id
   )
   texts = [encoder.tokenizer.decode([t for t in ids if t != eos_id]) for ids in outputs]
   answers = [pipeline.extract_answer(text) for text in texts]

@@ -33,6 +33,7 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import manifest
 from maxtext_posttrain import objectives
 from maxtext_posttrain import progress
+from maxtext_posttrain.peft import lora
 
 
 @dataclasses.dataclass
@@ -78,7 +79,8 @@ def _loss_and_grads(objective, config, model, params_shardings, batch):
     )
     return loss, aux["total_weights"], aux["metrics"], grads
 
-  model_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  # Under LoRA only the adapters are differentiated; the frozen (maybe quantized) base rides along in `rest`.
+  model_graphdef, params, rest = nnx.split(model, lora.trainable(config), ...)
 
   def mean_loss(params):
     local_model = nnx.merge(model_graphdef, params, rest, copy=True)
@@ -134,7 +136,7 @@ def make_train_step(objective):
         "learning/total_weights": weight,
         "learning/grad_norm": max_utils.l2norm_pytree(grads),
         "learning/raw_grad_norm": max_utils.l2norm_pytree(raw_grads),
-        "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, nnx.Param)),
+        "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, lora.trainable(config))),
     }
     scalars |= {f"learning/{k}": v / jnp.maximum(weight, 1.0) for k, v in metric_sums.items()}
     return nnx.state(train_state, nnx.Not(nnx.Intermediate)), {"scalar": scalars, "scalars": {}}
@@ -182,6 +184,7 @@ def _eval_data_sharding(config, mesh):
 def setup(config) -> Loop:
   """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
   check_supported(config)
+  lora.validate_config(config)
   objective = objectives.get(config.posttrain_mode)(config)
   if objective.roles:
     raise NotImplementedError(f"posttrain_mode={objective.name} needs roles {objective.roles}; none is built yet.")
@@ -190,13 +193,13 @@ def setup(config) -> Loop:
   learning_rate_schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
 
   def init_state_fn():
-    model = create_model()
-    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+    model = lora.apply(create_model(), config)  # the policy as is when LoRA is off
+    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=lora.trainable(config)))
 
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
-  checkpoint_guard.check_compatible(checkpoint_manager, abstract_state)
+  checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=lora.enabled(config))
   data = objective.make_data(mesh)
   state, _, state_mesh_shardings, data.train, _ = maxtext_utils.setup_training_state(
       data.train, config, mesh, checkpoint_manager, init_state_fn

@@ -1,7 +1,6 @@
 """The generic loop with the SFT objective on the bundled arithmetic data and a tiny MaxText model."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,21 +16,7 @@ from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
 from tests import multidevice_losses
 from tests import paths
-
-
-def _losses(metrics_file) -> dict[int, float]:
-  losses = {}
-  with open(metrics_file, encoding="utf-8") as f:
-    for line in f:
-      row = json.loads(line)
-      if "learning/loss" in row:
-        losses[int(row["step"])] = row["learning/loss"]
-  return losses
-
-
-def _run(config):
-  loop = trainer.setup(config)
-  return loop, trainer.train(loop)
+from tests import run_utils
 
 
 def test_sft_learns_arithmetic(make_config, tmp_path):
@@ -44,8 +29,8 @@ def test_sft_learns_arithmetic(make_config, tmp_path):
       "enable_checkpointing=false",
       f"metrics_file={metrics}",
   )
-  _, summary = _run(config)
-  losses = _losses(metrics)
+  _, summary = run_utils.run(config)
+  losses = run_utils.losses(metrics)
   first, last = losses[0], np.mean([losses[s] for s in range(195, 200)])
   assert first > 5.0, first  # ln(512) = 6.2 for a random model
   assert last < 0.05 * first, (first, last)
@@ -58,13 +43,15 @@ def test_resume_repeats_the_uninterrupted_loss_sequence(make_config, tmp_path):
   """Resuming restores weights, optimizer state and data order: the losses are those of one uninterrupted run."""
   # One schedule for both (MaxText derives it from `steps` otherwise), so only the interruption differs.
   common = ("checkpoint_period=3", "eval_interval=0", "async_checkpointing=false", "learning_rate_schedule_steps=8")
-  _run(make_config("steps=8", *common, f"metrics_file={tmp_path / 'full.jsonl'}", run_name="full"))
+  run_utils.run(make_config("steps=8", *common, f"metrics_file={tmp_path / 'full.jsonl'}", run_name="full"))
   # A "crash" after 5 steps: no final checkpoint, so the resume starts from step 3's and replays step 4.
   crashed = ("steps=5", "save_checkpoint_on_completion=false")
-  _run(make_config(*crashed, *common, f"metrics_file={tmp_path / 'split.jsonl'}", run_name="split"))
-  loop, summary = _run(make_config("steps=8", *common, f"metrics_file={tmp_path / 'split.jsonl'}", run_name="split"))
+  run_utils.run(make_config(*crashed, *common, f"metrics_file={tmp_path / 'split.jsonl'}", run_name="split"))
+  loop, summary = run_utils.run(
+      make_config("steps=8", *common, f"metrics_file={tmp_path / 'split.jsonl'}", run_name="split")
+  )
   assert summary["start_step"] == 4 and loop.step == 8
-  full, split = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "split.jsonl")
+  full, split = run_utils.losses(tmp_path / "full.jsonl"), run_utils.losses(tmp_path / "split.jsonl")
   assert sorted(full) == sorted(split) == list(range(8))
   np.testing.assert_allclose([split[s] for s in range(8)], [full[s] for s in range(8)], rtol=1e-6)
   manifest = json.loads((tmp_path / "split" / "manifest.json").read_text())
@@ -73,7 +60,7 @@ def test_resume_repeats_the_uninterrupted_loss_sequence(make_config, tmp_path):
 
 
 def test_checkpoint_of_another_model_shape_is_refused_untouched(make_config, tmp_path):
-  _run(make_config("steps=1", "eval_interval=0", "async_checkpointing=false", run_name="shape"))
+  run_utils.run(make_config("steps=1", "eval_interval=0", "async_checkpointing=false", run_name="shape"))
   checkpoints = tmp_path / "shape" / "checkpoints"
   before = {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
   config = make_config("steps=2", "base_emb_dim=64", "eval_interval=0", run_name="shape")
@@ -187,7 +174,7 @@ def test_training_features_the_step_lacks_fail_at_start(make_config):
 
 def test_training_stops_at_target_eval_loss(make_config):
   config = make_config("steps=60", "eval_interval=10", "target_eval_loss=1.0", "enable_checkpointing=false")
-  _, summary = _run(config)
+  _, summary = run_utils.run(config)
   assert summary["end_step"] < 60
   assert summary["evals"][summary["end_step"]]["eval/loss"] <= 1.0
   assert all(e["eval/loss"] > 1.0 for step, e in summary["evals"].items() if step < summary["end_step"])

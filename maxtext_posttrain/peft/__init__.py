@@ -1,0 +1,1 @@
+"""LoRA / QLoRA (qwix) wiring for the generic loop, and adapter export into a plain MaxText checkpoint."""

@@ -1,0 +1,193 @@
+"""LoRA and QLoRA as a switch on any objective: MaxText's qwix wiring, with its inputs checked up front.
+
+MaxText already turns the `lora.*` keys into a qwix `LoraProvider` (`lora_utils.apply_lora_to_model`), saves and
+restores only the adapter state when `lora.enable_lora` is set (`checkpointing._filter_lora_trainable_state`) and
+builds its optimizer over `nnx.LoRAParam`. The loop calls `apply` inside its state initialiser and differentiates
+`trainable(config)`, so every objective (SFT, DPO, RL, distillation) gets adapters without knowing about them.
+What this module adds is what MaxText leaves to a failed trace or a silent no-op: a target regex that matches no
+module, a rank that is not below the layer width, an alpha that scales the adapters to zero, and the merge of
+trained adapters back into full weights (`merged_params`), which `export` writes as a MaxText checkpoint.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from qwix._src.core import qarray
+from qwix._src.providers import ptq
+
+from maxtext.common import checkpointing
+from maxtext.utils import lora_utils
+from maxtext.utils import max_logging
+
+_LISTED = 8
+# Roles whose weights are trained; frozen roles (reference, teacher) never carry adapters.
+TRAINED_ROLES = ("policy", "critic")
+
+
+def _adapter_state(state):
+  """What an adapter-only checkpoint holds: MaxText's selection (adapters, their optimizer moments, `step`) plus
+  optax's `count` leaves. MaxText 0.2.5's `_filter_lora_trainable_state` treats the on-disk optax chain (a list)
+  as one leaf and drops it whole, so a resumed run restarted Adam's moments, bias correction and learning-rate
+  schedule at 0 and diverged from the uninterrupted run."""
+
+  def keep(path, value=None) -> bool:
+    names = [str(getattr(p, "key", p)).lower() for p in path]
+    return isinstance(value, nnx.LoRAParam) or any("lora" in n or "step" in n for n in names) or names[-1] == "count"
+
+  if isinstance(state, (nnx.State, nnx.Module)):
+    return nnx.state(state, keep)
+
+  def select(node, path=()):
+    if isinstance(node, list):  # an optax chain in MaxText's on-disk layout
+      return [select(v, (*path, i)) or {} for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+      return node if keep(path) else None
+    kept = {k: v for k, v in ((k, select(v, (*path, k))) for k, v in node.items()) if v is not None}
+    return kept or None
+
+  return select(state)
+
+
+# Used by MaxText's save, restore and weight checks alike, so all three agree on what an adapter checkpoint holds.
+checkpointing._filter_lora_trainable_state = _adapter_state  # pylint: disable=protected-access
+
+
+def enabled(config, role: str = "policy") -> bool:
+  return config.lora.enable_lora and role in config.lora_roles
+
+
+def trainable(config, role: str = "policy") -> type[nnx.Variable]:
+  """The variable type that gets gradients and optimizer state: the adapters under LoRA, every weight otherwise."""
+  return nnx.LoRAParam if enabled(config, role) else nnx.Param
+
+
+def module_path_regex(config) -> str:
+  """`lora.lora_module_path`, or MaxText's per-architecture default (attention q/k/v/out and MLP wi/wo)."""
+  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access
+
+
+def validate_config(config) -> None:
+  """Raises ValueError for `lora.*` settings that would train nothing or that the loop cannot honour."""
+  if not config.lora.enable_lora:
+    return
+  lora = config.lora
+  unknown = sorted(set(config.lora_roles) - set(TRAINED_ROLES))
+  if unknown:
+    raise ValueError(f"lora_roles {unknown}: adapters apply to trained roles only, one of {list(TRAINED_ROLES)}.")
+  if lora.lora_rank <= 0:
+    raise ValueError(f"lora.lora_rank must be > 0 when lora.enable_lora=true (got {lora.lora_rank}).")
+  if lora.lora_alpha <= 0:
+    raise ValueError(
+        f"lora.lora_alpha must be > 0 (got {lora.lora_alpha}): adapter outputs are scaled by alpha / rank, so 0 "
+        "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
+    )
+  if config.gradient_accumulation_steps > 1:
+    raise ValueError(
+        "LoRA with gradient_accumulation_steps > 1 is not supported yet (MaxText's accumulation "
+        "differentiates every nnx.Param); raise per_device_batch_size instead."
+    )
+  if lora.lora_weight_qtype and config.load_parameters_path:
+    raise ValueError(
+        "QLoRA over load_parameters_path is not supported yet: qwix quantizes the base at model "
+        "creation, before MaxText loads full-precision weights into it."
+    )
+  if lora.lora_restore_path:
+    raise ValueError("lora.lora_restore_path is not supported by this loop yet; resume from the run directory.")
+
+
+def _module_paths(model: nnx.Module) -> list[str]:
+  return ["/".join(str(p) for p in path) for path, _ in nnx.iter_modules(model) if path]
+
+
+def apply(model: nnx.Module, config, role: str = "policy") -> nnx.Module:
+  """The model with qwix adapters (and, with `lora.lora_weight_qtype`, a quantized frozen base); unchanged when
+  LoRA is off for this role. Raises ValueError naming real module paths when the target regex matches none, and
+  when the rank is not below the narrower side of a targeted kernel."""
+  if not enabled(config, role):
+    return model
+  pattern = module_path_regex(config)
+  paths = _module_paths(model)
+  if not any(re.fullmatch(pattern, p) for p in paths):
+    with_kernels = ["/".join(str(p) for p in path) for path, m in nnx.iter_modules(model) if hasattr(m, "kernel")]
+    raise ValueError(
+        f"lora.lora_module_path={pattern!r} matches no module of this model (qwix full-matches module paths). "
+        f"Modules with weights include: {with_kernels[:_LISTED]}"
+    )
+  # mesh=None: MaxText's helper would reshard concrete adapter arrays, which fails under the loop's jit/eval_shape;
+  # the adapters are replicated through their (PartitionSpec()) metadata and the state's out_shardings instead.
+  model = lora_utils.apply_lora_to_model(model, None, config)
+  rank = config.lora.lora_rank
+  for path, module in nnx.iter_modules(model):
+    for name in [n for n in vars(module) if n.endswith("_lora_a")]:
+      a, b = getattr(module, name), getattr(module, name[: -len("_a")] + "_b")
+      width = min(a.shape[0], b.shape[-1])  # (contracted in-features, rank) and (rank, out-features)
+      if rank > width:
+        where = "/".join(str(p) for p in path) + "/" + name[: -len("_lora_a")]
+        raise ValueError(f"lora.lora_rank={rank} exceeds the width {width} of {where}; pick a rank below {width + 1}.")
+  return model
+
+
+def _value(x):
+  return x.get_value() if isinstance(x, nnx.Variable) else x
+
+
+def _dense_kernel(kernel) -> jax.Array:
+  """A full-precision kernel: itself, or the dequantized base of QLoRA (a qwix `WithAux` over a `QArray`)."""
+  kernel = _value(kernel)
+  if isinstance(kernel, ptq.WithAux):
+    array = jax.tree.map(_value, kernel.array, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return qarray.dequantize(array)
+  return kernel
+
+
+def _delta(kernel_shape, a, b, scale, scan_axis) -> jax.Array:
+  """alpha/rank * A @ B in the kernel's layout. qwix flattens a kernel's contracted (leading) axes into A's rows
+  and its remaining axes into B's columns; scanned layers add one stacked axis at `param_scan_axis` to all three."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if a.ndim == 2:
+    return (a @ b).reshape(kernel_shape) * scale
+  stacked = jnp.einsum("lcr,lrm->lcm", jnp.moveaxis(a, scan_axis, 0), jnp.moveaxis(b, scan_axis, 0)) * scale
+  per_layer = kernel_shape[:scan_axis] + kernel_shape[scan_axis + 1 :]
+  return jnp.moveaxis(stacked.reshape((stacked.shape[0], *per_layer)), 0, scan_axis)
+
+
+def merged_params(model: nnx.Module, config) -> dict:
+  """The weights of the same model without adapters, each targeted kernel replaced by W + alpha/rank * A @ B (W
+  dequantized under QLoRA), as the pure dict MaxText's `load_parameters_path` reads."""
+  scale = config.lora.lora_alpha / config.lora.lora_rank
+  params = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict()
+  merged = 0
+  for path, module in nnx.iter_modules(model):
+    if not hasattr(module, "kernel_lora_a"):
+      continue
+    node = params
+    for key in path:
+      node = node[key]
+    kernel = _dense_kernel(module.kernel)
+    delta = _delta(
+        kernel.shape, _value(module.kernel_lora_a), _value(module.kernel_lora_b), scale, config.param_scan_axis
+    )
+    dtype = jnp.dtype(config.weight_dtype)
+    node["kernel"] = (kernel.astype(jnp.float32) + delta).astype(dtype)
+    merged += 1
+  max_logging.log(f"Merged the adapters of {merged} modules (scale alpha/rank = {scale}).")
+  return params
+
+
+def policy_params(model: nnx.Module, config) -> nnx.State:
+  """The policy's weights as a model without adapters holds them, which is what MaxText's decode graphs (the
+  rollout sampler, generation eval) read: `nnx.state(model, nnx.Param)`, or under (Q)LoRA the merged weights."""
+  if not enabled(config):
+    return nnx.state(model, nnx.Param)
+  # Each merged weight keeps its variable's metadata (sharding names, scan axis), which decoding relies on; a
+  # QLoRA kernel takes that of its quantized codes, which have the kernel's shape and axes.
+  variables = dict(nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+  merged = nnx.traversals.flatten_mapping(merged_params(model, config))
+  return nnx.from_flat_state(
+      {
+          path: variables.get(path, variables.get((*path, "array", "qvalue"))).replace(value)
+          for path, value in merged.items()
+      }
+  )

@@ -1,0 +1,18 @@
+"""Running the loop in tests and reading back what it logged."""
+
+import json
+
+from maxtext_posttrain import trainer
+
+
+def run(config):
+  """(loop, summary) of a full run of `config`."""
+  loop = trainer.setup(config)
+  return loop, trainer.train(loop)
+
+
+def losses(metrics_file) -> dict[int, float]:
+  """Training loss per step from MaxText's metrics_file (a resumed step keeps its last value)."""
+  with open(metrics_file, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return {int(r["step"]): r["learning/loss"] for r in rows if "learning/loss" in r}

@@ -1,0 +1,161 @@
+"""LoRA and QLoRA through the generic loop: only adapters train, adapter checkpoints resume exactly, and the export
+merges them into a checkpoint that plain MaxText loads."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import trainer
+from maxtext_posttrain.peft import export
+from tests import run_utils
+from tests.paths import REPO
+
+LORA = ("lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "learning_rate=1.e-2")
+
+
+def _config(tmp, tfds_dir, *overrides, run_name="run"):
+  argv = ["", str(REPO / "configs/sft.yml"), f"run_name={run_name}", f"base_output_directory={tmp}"]
+  return posttrain_config.initialize(argv + [f"dataset_path={tfds_dir}", "eval_interval=0", *overrides])
+
+
+def _frozen(model) -> dict:
+  return jax.device_get(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict())
+
+
+def _adapters(model) -> dict:
+  return jax.device_get(nnx.state(model, nnx.LoRAParam).to_pure_dict())
+
+
+def _logits(model, batch):
+  return model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], enable_dropout=False)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tfds_dir):
+  """One seeded LoRA SFT run of 60 steps, shared by the tests that read it (it ends with an adapter checkpoint)."""
+  tmp = tmp_path_factory.mktemp("lora")
+  config = _config(tmp, tfds_dir, *LORA, "steps=60", "async_checkpointing=false", f"metrics_file={tmp / 'm.jsonl'}")
+  loop = trainer.setup(config)
+  before = {"frozen": _frozen(loop.policy()), "adapters": _adapters(loop.policy())}
+  trainer.train(loop)
+  return {"tmp": tmp, "config": config, "loop": loop, "before": before, "losses": run_utils.losses(tmp / "m.jsonl")}
+
+
+def test_lora_trains_only_the_adapters(lora_run):
+  """Base weights are bit-identical after training, every adapter moved, and optimizer state exists only for them."""
+  model = lora_run["loop"].policy()
+  jax.tree.map(np.testing.assert_array_equal, _frozen(model), lora_run["before"]["frozen"])
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), _adapters(model), lora_run["before"]["adapters"])
+  assert jax.tree.leaves(moved) and all(jax.tree.leaves(moved)), moved
+  # Adam's moments mirror the adapters exactly (same tree), nothing of the base.
+  mu = lora_run["loop"].state.optimizer.opt_state[0].mu.to_pure_dict()
+  assert jax.tree.structure(mu) == jax.tree.structure(_adapters(model))
+
+
+def test_lora_sft_reduces_the_loss(lora_run):
+  losses = lora_run["losses"]
+  first, last = losses[0], np.mean([losses[s] for s in range(55, 60)])
+  assert first > 5.0, first  # ln(512) = 6.2 for a random model
+  assert last < 0.6 * first, (first, last)
+
+
+def test_adapter_checkpoint_holds_only_adapters(lora_run):
+  from orbax.checkpoint import v1 as ocp  # pylint: disable=import-outside-toplevel
+
+  checkpoints = lora_run["tmp"] / "run" / "checkpoints"
+  stored = ocp.metadata(checkpoints / str(max(int(p.name) for p in checkpoints.iterdir()))).metadata["params"]
+  names = {
+      "/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]
+  }
+  assert names and all("_lora_" in n for n in names), sorted(names)[:5]
+
+
+def test_merged_export_loads_in_plain_maxtext_with_the_adapter_models_logits(lora_run, tfds_dir):
+  """The export, loaded through MaxText's own model creation and `load_parameters_path` (LoRA off), gives the
+  logits of the adapter model in memory, within float32 rounding of W + s*A@B vs W x + s*(x A) B (1e-4)."""
+  tmp = lora_run["tmp"]
+  path = export.export(lora_run["config"], str(tmp / "merged"))
+  plain = trainer.setup(
+      _config(tmp, tfds_dir, "enable_checkpointing=false", f"load_parameters_path={path}", run_name="plain")
+  )
+  assert not any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(plain.policy()))
+  batch = plain.train_batches.load_next_batch()
+  expected = _logits(lora_run["loop"].policy(), batch)
+  np.testing.assert_allclose(_logits(plain.policy(), batch), expected, rtol=1e-4, atol=1e-4)
+  # And the adapters matter: the base alone is far from them.
+  assert not np.allclose(
+      _logits(plain.policy(), batch),
+      _logits(trainer.setup(_config(tmp, tfds_dir, "enable_checkpointing=false", run_name="base")).policy(), batch),
+      atol=1e-2,
+  )
+
+
+def test_export_onto_a_base_of_another_shape_is_refused(lora_run, tfds_dir):
+  config = _config(lora_run["tmp"], tfds_dir, *LORA, "steps=60", "base_emb_dim=64")
+  with pytest.raises(ValueError, match="different model") as error:
+    export.export(config, str(lora_run["tmp"] / "never"))
+  assert "(128," in str(error.value) and "(64," in str(error.value)
+  assert not (lora_run["tmp"] / "never").exists()
+
+
+def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_dir):
+  common = (*LORA, "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=6")
+  _, full = run_utils.run(
+      _config(tmp_path, tfds_dir, *common, "steps=6", f"metrics_file={tmp_path / 'f.jsonl'}", run_name="f")
+  )
+  crashed = ("steps=4", "save_checkpoint_on_completion=false", f"metrics_file={tmp_path / 's.jsonl'}")
+  run_utils.run(_config(tmp_path, tfds_dir, *common, *crashed, run_name="s"))
+  loop, summary = run_utils.run(
+      _config(tmp_path, tfds_dir, *common, "steps=6", f"metrics_file={tmp_path / 's.jsonl'}", run_name="s")
+  )
+  assert summary["start_step"] == 3 and loop.step == 6
+  full, split = run_utils.losses(tmp_path / "f.jsonl"), run_utils.losses(tmp_path / "s.jsonl")
+  assert sorted(split) == list(range(6))
+  np.testing.assert_allclose([split[s] for s in range(6)], [full[s] for s in range(6)], rtol=1e-6)
+
+
+def test_qlora_nf4_quantizes_the_base_and_reduces_the_loss(tmp_path, tfds_dir):
+  metrics = tmp_path / "m.jsonl"
+  config = _config(
+      tmp_path,
+      tfds_dir,
+      *LORA,
+      "lora.lora_weight_qtype=nf4",
+      "steps=40",
+      "enable_checkpointing=false",
+      f"metrics_file={metrics}",
+  )
+  loop, _ = run_utils.run(config)
+  dtypes = {v.get_value().dtype.name for _, v in nnx.iter_graph(loop.policy()) if isinstance(v, nnx.Param)}
+  assert "uint4" in dtypes, dtypes  # nf4 codes of the frozen kernels
+  losses = run_utils.losses(metrics)
+  assert np.mean([losses[s] for s in range(35, 40)]) < 0.7 * losses[0], losses
+
+
+def test_qlora_int8_quantizes_the_base(tmp_path, tfds_dir):
+  config = _config(tmp_path, tfds_dir, *LORA, "lora.lora_weight_qtype=int8", "enable_checkpointing=false")
+  loop = trainer.setup(config)
+  kernel = loop.policy().decoder.layers.mlp.wi_0.kernel
+  assert kernel.array.qvalue.get_value().dtype == np.int8
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("lora.lora_module_path=decoder/layers/nonexistent",), r"matches no module .*decoder/layers/mlp/wi_0"),
+        (("lora.lora_rank=0",), r"lora_rank must be > 0"),
+        (("lora.lora_rank=200",), r"lora_rank=200 exceeds the width 128 of decoder/layers/"),
+    ],
+)
+def test_bad_lora_settings_fail_at_setup(tmp_path, tfds_dir, overrides, message):
+  config = _config(tmp_path, tfds_dir, *LORA, "enable_checkpointing=false", *overrides)
+  with pytest.raises(ValueError, match=message):
+    trainer.setup(config)
+
+
+def test_generation_eval_decodes_the_lora_policy_with_merged_weights(lora_run):
+  """MaxText's decode graphs carry no adapters; generation eval hands them the merged weights and runs."""
+  results = lora_run["loop"].objective.evaluate(lora_run["loop"])
+  assert 0.0 <= results["eval/format_accuracy"] <= 1.0, results
