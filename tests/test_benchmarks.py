@@ -2,6 +2,7 @@
 
 import json
 
+from benchmarks import decode
 from benchmarks import sft_vs_pretrain
 
 
@@ -15,3 +16,11 @@ def test_sft_vs_pretrain_writes_a_row(tmp_path, tfds_dir, capsys):
   assert row["ratio"] == row["step_time_s"] / row["pretrain_step_time_s"] > 0
   printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"objective"')]
   assert json.loads(printed[-1])["ratio"] == row["ratio"]
+
+
+def test_decode_benchmark_writes_a_row(tmp_path, tfds_dir):
+  output = tmp_path / "decode.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", f"dataset_path={tfds_dir}"]
+  decode.main(["", *tiny, "--new_tokens=16", "--prompts=2", "--samples=2", "--repeats=1", f"--output={output}"])
+  (row,) = json.loads(output.read_text())
+  assert row["speedup_vs_no_cache"] > 1.0, row  # even 16 tokens of a 1-layer model beat recomputation

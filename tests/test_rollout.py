@@ -6,6 +6,7 @@ token. The model is the configs/sft.yml decoder with random weights; its output 
 top two logits are far apart and greedy choices cannot flip on float rounding (the margin is asserted).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -73,7 +74,25 @@ class _Setup:
       top2 = jax.lax.top_k(last, 2)[0]
       return jnp.argmax(last, axis=-1), top2[:, 0] - top2[:, 1]
 
+    @jax.jit
+    def full_logits(params, tokens, lengths):
+      """Train-mode logits [batch, length, vocab] of right-padded sequences: the trainer's forward pass."""
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+      segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+      return model(tokens, positions, decoder_segment_ids=segment_ids, enable_dropout=False)
+
     self._next_token = next_token
+    self._full_logits = full_logits
+
+  def full_logits(self, params, sequences):
+    """Float32 numpy logits of one full forward over each token sequence (right-padded to the longest)."""
+    tokens = np.zeros((len(sequences), max(len(s) for s in sequences)), np.int32)
+    for i, sequence in enumerate(sequences):
+      tokens[i, : len(sequence)] = sequence
+    lengths = np.array([len(s) for s in sequences], np.int32)
+    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
+      return np.asarray(jax.device_get(self._full_logits(params, tokens, lengths)), np.float32)
 
   def reference(self, prompts, max_new_tokens):
     """Greedy tokens by full recomputation, one step at a time, and the smallest top-2 logit margin seen."""
@@ -93,9 +112,15 @@ class _Setup:
     return generated, margin
 
 
+@functools.cache
+def shared_setup() -> _Setup:
+  """One `_Setup` per process, also used by tests/test_sampling.py so the model and programs build once."""
+  return _Setup()
+
+
 @pytest.fixture(scope="session")
 def setup():
-  return _Setup()
+  return shared_setup()
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +180,11 @@ def test_params_that_do_not_line_up_raise(setup):
 
 
 def test_sharded_mesh_gives_the_same_tokens(reference):
-  """4 fake CPU devices (fsdp=2, tensor=2): same weights from the same seed, same greedy tokens; 7 prompts pad to 8."""
+  """4 fake CPU devices: same weights from the same seed, same greedy tokens; 7 prompts pad to 8.
+
+  The rollout mesh is fsdp=2 x tensor=2. Params built on it are used in place; params built on another trainer mesh
+  (fsdp=4) are resharded onto it and give the same tokens.
+  """
   python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
   env = dict(
       os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=python_path
@@ -165,10 +194,29 @@ def test_sharded_mesh_gives_the_same_tokens(reference):
       [sys.executable, __file__, *overrides], env=env, cwd=REPO, capture_output=True, text=True, check=False
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert json.loads(result.stdout.strip().splitlines()[-1]) == reference
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out["in_place"] == out["resharded"] == reference
+  assert out["in_place_uses_params_as_given"] and out["resharded_onto_rollout_mesh"]
 
 
 if __name__ == "__main__":
   _config, _mesh, _, _params = _build(sys.argv[1:])
   assert len(jax.devices()) == _mesh.size == 4, _mesh
-  print(json.dumps(Sampler(_config, _mesh).generate(_params, _prompts(), MAX_NEW_TOKENS, eos_id=NO_EOS)))
+  _sampler = Sampler(_config, _mesh)
+  _, _trainer_mesh, _, _trainer_params = _build(["ici_fsdp_parallelism=4"])
+  _resharded = _sampler._on_mesh(_trainer_params)  # pylint: disable=protected-access
+  _targets = [a.sharding for a in jax.tree.leaves(_sampler._abstract_params)]  # pylint: disable=protected-access
+  print(
+      json.dumps(
+          {
+              "in_place": _sampler.generate(_params, _prompts(), MAX_NEW_TOKENS, eos_id=NO_EOS),
+              "resharded": _sampler.generate(_trainer_params, _prompts(), MAX_NEW_TOKENS, eos_id=NO_EOS),
+              "in_place_uses_params_as_given": _sampler._on_mesh(_params) is _params,  # pylint: disable=protected-access
+              "resharded_onto_rollout_mesh": all(
+                  x.sharding == t and x.sharding != y.sharding
+                  for x, y, t in zip(jax.tree.leaves(_resharded), jax.tree.leaves(_trainer_params), _targets)
+                  if x.ndim
+              ),
+          }
+      )
+  )

@@ -1,21 +1,26 @@
-"""Decoding with MaxText's own decode path: one batched prefill, then an on-device autoregressive loop over the KV cache.
+"""Sampling with MaxText's own decode path: one batched prefill, then an on-device autoregressive loop over the KV cache.
 
 This is the path MaxEngine takes (prefill-mode model call, then autoregressive-mode calls reading and extending
 MaxText's `KVCache`), without MaxEngine itself: MaxEngine needs JetStream, prefills one prompt at a time and
-round-trips to the host for every token. Here a whole batch of ragged prompts is prefilled in one call (right
-padding, masked by segment ids exactly as MaxText masks packed or padded prefill) and the token loop is a
-`jax.lax.while_loop` inside one jitted program that stops as soon as every sequence has produced EOS.
+round-trips to the host for every token; MaxText 0.2.5's OfflineEngine also reuses one PRNG key for every copy of
+a prompt and scores log-probs without the temperature. Here a whole batch of ragged prompts is prefilled once in one
+call (right padding, masked by segment ids exactly as MaxText masks packed or padded prefill), each prompt's cache
+is repeated to its N samples, and the token loop is a `jax.lax.while_loop` inside one jitted program that stops as
+soon as every sequence has produced a stop token. Tokens are drawn with MaxText's `inference_utils.sampling`
+(greedy, weighted, topk, nucleus, composite), each row with its own key folded from (sample, step).
 
-Sizes are static per (batch, max_new_tokens) bucket: the prompt is padded to `max_prefill_predict_length`, the
+Sizes are static per bucket: prompts are padded to a power of two (at most `max_prefill_predict_length`), the
 prefill part of the cache has that length and the autoregressive part `max_new_tokens` (not `max_target_length`),
-and the decode graphs and program are built and compiled once per bucket and reused.
+and the decode graphs and program are built and compiled once per (batch, samples, prompt bucket, max_new_tokens,
+sampling settings) and reused.
 
-The policy's weights are read in place: `generate` takes the trainer's `nnx.State` of `nnx.Param` as a jit
-argument, so on a shared mesh there is no host round trip; `generate` checks the tree is the one this config builds.
-The decode graphs are built from the same config, with one change when the trainer scans its layers: decoding runs
-an unscanned graph and the stacked weights are sliced per layer once per call inside the program (`_unscan`), because
-a scan inside the token loop re-slices every layer's weights on every token. Where the slices do not map onto the
-unscanned model (an unusual layer stack), the decode graph stays scanned and takes the params as they are.
+The policy's weights are read in place: `sample` takes the trainer's `nnx.State` of `nnx.Param` as a jit argument,
+so on a shared mesh there is no host round trip; params laid out for another mesh (a trainer mesh that is not the
+rollout mesh) are resharded onto this sampler's mesh with one `jax.device_put`. The decode graphs are built from
+the same config, with one change when the trainer scans its layers: decoding runs an unscanned graph and the stacked
+weights are sliced per layer once per call inside the program (`_unscan`), because a scan inside the token loop
+re-slices every layer's weights on every token. Where the slices do not map onto the unscanned model (an unusual
+layer stack), the decode graph stays scanned and takes the params as they are.
 """
 
 from collections.abc import Callable
@@ -32,8 +37,10 @@ import numpy as np
 
 from maxtext.common.common_types import DECODING_ACTIVE_SEQUENCE_INDICATOR, MODEL_MODE_AUTOREGRESSIVE, MODEL_MODE_PREFILL
 from maxtext.configs import pyconfig
+from maxtext.inference import inference_utils
 from maxtext.utils import max_logging
 from maxtext.utils import model_creation_utils
+from maxtext_posttrain.losses import logprobs as logprobs_lib
 
 # Fills the prompt tail and the positions after EOS; never attended to (segment id 0) nor returned.
 _PAD_ID = 0
@@ -41,30 +48,34 @@ _PAD_ID = 0
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeGraphs:
-  """What the decode program of one (batch, max_new_tokens) shape is traced from."""
+  """What the decode program of one bucket is traced from."""
 
+  num_samples: int
   max_new_tokens: int
+  sampling: "SamplingParams"
   prefill_graph: nnx.GraphDef
   autoregressive_graph: nnx.GraphDef
   abstract_params: nnx.State  # ShapeDtypeStructs of the decode model's params (unscanned when `unscan`)
   unscan: bool  # the policy's scanned params are split per layer inside the program (see `_unscan`)
-  abstract_cache: nnx.State  # ShapeDtypeStructs (with shardings) of the zero cache the program starts from
+  abstract_prefill_cache: nnx.State  # ShapeDtypeStructs (with shardings) of the zero cache prefill starts from
+  abstract_cache: nnx.State  # the same for the decode loop's cache, N rows per prompt
   rest: nnx.State  # the model's remaining state (RNG streams), concrete because nnx.merge needs values
 
 
 def _decode_config(
-    config: pyconfig.HyperParameters, batch: int, max_new_tokens: int, scan_layers: bool
+    config: pyconfig.HyperParameters, batch: int, prefill_length: int, max_new_tokens: int, scan_layers: bool
 ) -> pyconfig.HyperParameters:
-  """The training config with the cache sized for one (batch, max_new_tokens) shape, layers scanned or not.
+  """The training config with the cache sized for one (batch, prompt bucket, max_new_tokens) shape.
 
-  MaxText sizes the autoregressive cache as `max_target_length - max_prefill_predict_length` and its batch as
-  `micro_batch_size_to_train_on`, both read at model construction; nothing else in a model's weights depends on
-  them for the decoder blocks this targets (the unscanned decode graph is only used when its params line up with
-  the policy's). The copy skips validation on purpose, as MaxText's own `verify_and_sync_scan_layers` does for its
+  MaxText sizes the prefill cache as `max_prefill_predict_length`, the autoregressive cache as
+  `max_target_length - max_prefill_predict_length` and its batch as `micro_batch_size_to_train_on`, all read at
+  model construction; nothing else in a model's weights depends on them for the decoder blocks this targets (the
+  unscanned decode graph is only used when its params line up with the policy's). The copy skips validation on purpose, as MaxText's own `verify_and_sync_scan_layers` does for its
   config override.
   """
   update = {
-      "max_target_length": config.max_prefill_predict_length + max_new_tokens,
+      "max_prefill_predict_length": prefill_length,
+      "max_target_length": prefill_length + max_new_tokens,
       "micro_batch_size_to_train_on": batch,
       "scan_layers": scan_layers,
   }
@@ -147,12 +158,103 @@ def _unscan(params: nnx.State, abstract_unscanned: nnx.State) -> nnx.State:
   return nnx.from_flat_state(unscanned)
 
 
-class Sampler:
-  """Greedy decoding of a batch of prompts with a MaxText model and MaxText's KV cache.
+# MaxText's `decode_sampling_strategy` values (`inference_utils.sampling`).
+STRATEGIES = ("greedy", "weighted", "nucleus", "topk", "composite")
 
-  Construct once per (config, mesh) — the trainer's — and call `generate` with the policy's current params each time
-  a rollout is needed. Each distinct (padded batch, max_new_tokens) pair builds its decode graphs and compiles once;
-  later calls with the same pair reuse the program (`num_compiles` counts the traces).
+# The smallest prompt bucket: shorter buckets would only multiply the compiled programs.
+_MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How tokens are drawn, with MaxText's meaning of `decode_sampling_*` (`inference_utils.sampling`).
+
+  `weighted` samples softmax(logits / T); `topk` keeps the k largest logits, then applies T; `nucleus` keeps the
+  smallest set of tokens whose untempered probability reaches top_p, then applies T (MaxText's order; at T = 1,
+  the usual setting for RL, the order does not matter); `composite` is top-k, then top-p within it, then T.
+  Log-probs are always those of softmax(logits / T) (see `losses/logprobs.py`), T = `temperature` for every
+  strategy including greedy.
+  """
+
+  strategy: str = "greedy"
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  @classmethod
+  def from_config(cls, config: pyconfig.HyperParameters, **overrides) -> "SamplingParams":
+    """MaxText's `decode_sampling_*` keys, with its `-1` (nucleus off) read as top_p = 1."""
+    strategy = config.decode_sampling_strategy
+    top_p = config.decode_sampling_nucleus_p
+    values = {
+        "strategy": getattr(strategy, "value", strategy),
+        "temperature": config.decode_sampling_temperature,
+        "top_k": config.decode_sampling_top_k,
+        "top_p": 1.0 if top_p == -1 else top_p,
+    }
+    return cls(**(values | overrides))
+
+  def __post_init__(self):
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"decode_sampling_strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
+    if not self.temperature > 0:
+      raise ValueError(f"decode_sampling_temperature must be > 0, got {self.temperature}.")
+    if self.strategy in ("topk", "composite") and self.top_k < 1:
+      raise ValueError(f"decode_sampling_top_k must be >= 1 for {self.strategy}, got {self.top_k}.")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"decode_sampling_nucleus_p (top_p) must be in (0, 1], got {self.top_p}.")
+
+  def draw(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row of `logits` [rows, vocab], row i drawn with `keys[i]`."""
+    if self.strategy == "greedy":
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    strategy = self.strategy
+    if self.top_p == 1.0:  # no nucleus truncation; MaxText's cut-off index would run past the vocabulary
+      strategy = {"nucleus": "weighted", "composite": "topk"}.get(strategy, strategy)
+    draw_row = functools.partial(
+        inference_utils.sampling,
+        algorithm=strategy,
+        topk=self.top_k,
+        nucleus_topp=self.top_p,
+        temperature=self.temperature,
+    )
+    return jax.vmap(draw_row)(logits.astype(jnp.float32), keys).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """Completions of B prompts x N samples, prompt-major: row `i * num_samples + j` is sample j of prompt i.
+
+  Attributes:
+    prompts: the prompt tokens each row continued (after left truncation), one list per row.
+    tokens: [rows, max_new_tokens] int32 completion tokens, `pad_id` after each row's end; a stop token that ended
+      a row is included.
+    logprobs: [rows, max_new_tokens] float32 log-probs of `tokens` under softmax(logits / T); 0 after the end.
+    lengths: [rows] completion lengths (stop token included).
+    finish_reasons: "eos" (ended on EOS or a stop token) or "length" (ran out of max_new_tokens), per row.
+    num_truncated_prompts: prompts longer than max_prefill_predict_length that lost their left end.
+  """
+
+  prompts: list[list[int]]
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  finish_reasons: list[str]
+  num_truncated_prompts: int
+  num_samples: int
+  pad_id: int = _PAD_ID
+
+  def completions(self) -> list[list[int]]:
+    """The completion tokens per row, without padding."""
+    return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
+
+
+class Sampler:
+  """Sampling B prompts x N samples with a MaxText model and MaxText's KV cache, with per-token log-probs.
+
+  Construct once per (config, rollout mesh) and call `sample` (or `generate` for plain greedy continuations) with
+  the policy's current params each time a rollout is needed. Each distinct bucket builds its decode graphs and
+  compiles once; later calls in the same bucket reuse the program (`num_compiles` counts the traces).
   """
 
   def __init__(self, config: pyconfig.HyperParameters, mesh: jax.sharding.Mesh):
@@ -163,118 +265,247 @@ class Sampler:
     self.num_compiles = 0
     _, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
     self._abstract_params = nnx.state(abstract_model, nnx.Param)
-    self._programs: dict[tuple[int, int], tuple[_DecodeGraphs, Callable]] = {}
+    self._programs: dict[tuple, tuple[_DecodeGraphs, Callable]] = {}
 
   def generate(self, params: nnx.State, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
     """Greedily continues each prompt; returns the new tokens per prompt, ending with `eos_id` when it was produced.
 
     Args:
-      params: the policy's weights, `nnx.state(model, nnx.Param)` of the trainer's model; used in place.
-      prompts: token ids per prompt, each 1..max_prefill_predict_length long.
+      params: the policy's weights, `nnx.state(model, nnx.Param)` of the trainer's model.
+      prompts: token ids per prompt, each 1..max_prefill_predict_length long (longer ones are an error).
       max_new_tokens: tokens to generate at most per prompt (MaxText decodes max_target_length -
         max_prefill_predict_length).
       eos_id: generation of a sequence stops after this token, which is included in its output.
     """
+    rollouts = self.sample(
+        params, prompts, max_new_tokens, eos_id, jax.random.key(0), SamplingParams(), truncate_prompts=False
+    )
+    return rollouts.completions()
+
+  def sample(
+      self,
+      params: nnx.State,
+      prompts: list[list[int]],
+      max_new_tokens: int,
+      eos_id: int,
+      rng: jax.Array,
+      sampling: SamplingParams | None = None,
+      num_samples: int = 1,
+      stop_ids: tuple[int, ...] = (),
+      truncate_prompts: bool | None = None,
+  ) -> Rollouts:
+    """Samples `num_samples` completions of each prompt; each prompt is prefilled once.
+
+    Args:
+      params: the policy's weights, `nnx.state(model, nnx.Param)` of a model built from this config; used in place
+        when they live on this sampler's mesh, resharded onto it otherwise.
+      prompts: token ids per prompt, at least one each.
+      max_new_tokens: tokens to generate at most per sample.
+      eos_id: a sample stops after this token (included, and scored).
+      rng: a PRNG key; row r's token at step t is drawn with fold_in(fold_in(rng, r), t), so pass a new key per call
+        (e.g. fold in the RL step).
+      sampling: strategy, temperature, top-k, top-p; `SamplingParams.from_config(config)` when None.
+      num_samples: samples per prompt (N).
+      stop_ids: more tokens that stop a sample like `eos_id`.
+      truncate_prompts: prompts longer than max_prefill_predict_length lose their left end (counted in the result)
+        when true and are an error when false; None follows `overlong_policy`.
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be at least 1, got {num_samples}.")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    sampling = sampling or SamplingParams.from_config(self.config)
+    if truncate_prompts is None:
+      truncate_prompts = self.config.overlong_policy == "truncate"
+    prompts, num_truncated = self._truncate(prompts, truncate_prompts)
     tokens, lengths = self._pad(prompts)
-    graphs, decode = self._program(tokens.shape[0], max_new_tokens)
-    _check_params_line_up(params, self._abstract_params)
+    graphs, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
+    params = self._on_mesh(params)
     active = np.arange(tokens.shape[0]) < len(prompts)
+    stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
-      out, out_lengths = decode(params, tokens, lengths, active, np.int32(eos_id))
+      out = decode(params, tokens, lengths, active, stops, rng)
     # Gathered rather than fetched: on a multi-host mesh no process holds the whole batch.
-    out, out_lengths = multihost_utils.process_allgather((out, out_lengths), tiled=True)
-    return [out[i, : out_lengths[i]].tolist() for i in range(len(prompts))]
+    out, out_logprobs, out_lengths = multihost_utils.process_allgather(out, tiled=True)
+    rows = len(prompts) * num_samples
+    out, out_logprobs, out_lengths = out[:rows], out_logprobs[:rows], out_lengths[:rows]
+    stop_set = set(stops.tolist())
+    return Rollouts(
+        prompts=[prompt for prompt in prompts for _ in range(num_samples)],
+        tokens=out,
+        logprobs=out_logprobs,
+        lengths=out_lengths,
+        finish_reasons=["eos" if out[i, out_lengths[i] - 1] in stop_set else "length" for i in range(rows)],
+        num_truncated_prompts=num_truncated,
+        num_samples=num_samples,
+    )
 
-  def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts to the prefill length and the batch to a multiple of its sharding (with 1-token rows)."""
+  def _on_mesh(self, params: nnx.State) -> nnx.State:
+    """The params on this sampler's shardings: as they are when already there, else one `jax.device_put`."""
+    _check_params_line_up(params, self._abstract_params)
+    targets = [a.sharding for a in jax.tree.leaves(self._abstract_params)]
+    if all(getattr(x, "sharding", None) == t for x, t in zip(jax.tree.leaves(params), targets)):
+      return params
+    max_logging.log("The policy params are not on the rollout mesh's shardings; resharding them for sampling.")
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, self._abstract_params)
+
+  def _truncate(self, prompts: list[list[int]], truncate: bool) -> tuple[list[list[int]], int]:
+    """Keeps the last max_prefill_predict_length tokens of longer prompts (or fails); counts the truncated ones."""
+    out, num_truncated = [], 0
     for i, prompt in enumerate(prompts):
       if not prompt:
         raise ValueError(f"Prompt {i} is empty; decoding needs at least one prompt token.")
       if len(prompt) > self.prefill_length:
-        raise ValueError(
-            f"Prompt {i} has {len(prompt)} tokens, more than max_prefill_predict_length={self.prefill_length}."
-        )
+        if not truncate:
+          raise ValueError(
+              f"Prompt {i} has {len(prompt)} tokens, more than max_prefill_predict_length={self.prefill_length}."
+          )
+        prompt, num_truncated = prompt[-self.prefill_length :], num_truncated + 1
+      out.append(list(prompt))
+    if num_truncated:
+      max_logging.log(f"{num_truncated} prompts were longer than {self.prefill_length} tokens; kept their right end.")
+    return out, num_truncated
+
+  def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts to their bucket and the batch to a multiple of its sharding (with 1-token rows).
+
+    The bucket is the next power of two of the longest prompt, capped at max_prefill_predict_length, so short
+    prompts get a short prefill and a short cache.
+    """
+    longest = max(len(p) for p in prompts)
+    bucket = min(self.prefill_length, max(_MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length()))
     batch = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
-    tokens = np.full((batch, self.prefill_length), _PAD_ID, dtype=np.int32)
+    tokens = np.full((batch, bucket), _PAD_ID, dtype=np.int32)
     lengths = np.ones((batch,), dtype=np.int32)
     for i, prompt in enumerate(prompts):
       tokens[i, : len(prompt)] = prompt
       lengths[i] = len(prompt)
     return tokens, lengths
 
-  def _program(self, batch: int, max_new_tokens: int) -> tuple[_DecodeGraphs, Callable]:
-    """Builds (once) the prefill and autoregressive graphs and the jitted program for this shape."""
-    key = (batch, max_new_tokens)
+  def _program(
+      self, batch: int, prefill_length: int, num_samples: int, max_new_tokens: int, sampling: SamplingParams
+  ) -> tuple[_DecodeGraphs, Callable]:
+    """Builds (once) the prefill and autoregressive graphs and the jitted program for this bucket."""
+    key = (batch, prefill_length, num_samples, max_new_tokens, sampling)
     if key not in self._programs:
-      max_logging.log(f"Building the decode program for batch={batch}, max_new_tokens={max_new_tokens}.")
-      graphs = self._graphs(batch, max_new_tokens, unscan=self.config.scan_layers)
+      max_logging.log(
+          f"Building the decode program for batch={batch} x {num_samples} samples, prompt bucket={prefill_length}, "
+          f"max_new_tokens={max_new_tokens}, {sampling}."
+      )
+      build = functools.partial(self._graphs, batch, prefill_length, num_samples, max_new_tokens, sampling)
+      graphs = build(unscan=self.config.scan_layers)
       if graphs.unscan and not _maps_onto(self._abstract_params, graphs.abstract_params):
         max_logging.log("The scanned params do not map onto the unscanned decode model; decoding with scanned layers.")
-        graphs = self._graphs(batch, max_new_tokens, unscan=False)
+        graphs = build(unscan=False)
       self._programs[key] = (graphs, jax.jit(functools.partial(self._decode, graphs)))
     return self._programs[key]
 
-  def _graphs(self, batch: int, max_new_tokens: int, unscan: bool) -> _DecodeGraphs:
-    """Builds the prefill and autoregressive graphs (abstractly) and the non-weight state for this shape."""
-    config = _decode_config(self.config, batch, max_new_tokens, scan_layers=self.config.scan_layers and not unscan)
+  def _graphs(
+      self,
+      batch: int,
+      prefill_length: int,
+      num_samples: int,
+      max_new_tokens: int,
+      sampling: SamplingParams,
+      unscan: bool,
+  ) -> _DecodeGraphs:
+    """Builds the prefill (B rows) and autoregressive (B x N rows) graphs abstractly, and the non-weight state."""
+    scan_layers = self.config.scan_layers and not unscan
+    config = _decode_config(self.config, batch, prefill_length, max_new_tokens, scan_layers)
+    config_n = _decode_config(self.config, batch * num_samples, prefill_length, max_new_tokens, scan_layers)
     _, prefill_model = model_creation_utils.create_nnx_abstract_model(config, self.mesh, model_mode=MODEL_MODE_PREFILL)
-    create_ar_model, ar_model = model_creation_utils.create_nnx_abstract_model(
+    _, prefill_cache_model = model_creation_utils.create_nnx_abstract_model(
         config, self.mesh, model_mode=MODEL_MODE_AUTOREGRESSIVE
     )
+    create_ar_model, ar_model = model_creation_utils.create_nnx_abstract_model(
+        config_n, self.mesh, model_mode=MODEL_MODE_AUTOREGRESSIVE
+    )
     prefill_graph, _, _, _ = nnx.split(prefill_model, nnx.Param, nnx.Cache, ...)
+    _, _, abstract_prefill_cache, _ = nnx.split(prefill_cache_model, nnx.Param, nnx.Cache, ...)
     ar_graph, abstract_params, abstract_cache, _ = nnx.split(ar_model, nnx.Param, nnx.Cache, ...)
     # Materialise only the non-weight state; XLA drops the unused weight initialisers from this program.
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       rest = jax.jit(lambda: nnx.split(create_ar_model(), nnx.Param, nnx.Cache, ...)[3])()
-    return _DecodeGraphs(max_new_tokens, prefill_graph, ar_graph, abstract_params, unscan, abstract_cache, rest)
+    return _DecodeGraphs(
+        num_samples,
+        max_new_tokens,
+        sampling,
+        prefill_graph,
+        ar_graph,
+        abstract_params,
+        unscan,
+        abstract_prefill_cache,
+        abstract_cache,
+        rest,
+    )
 
-  def _decode(self, graphs: _DecodeGraphs, params, tokens, lengths, active, eos_id):
-    """Prefill + greedy autoregressive loop; returns (tokens [batch, max_new_tokens], generated lengths [batch]).
+  def _decode(self, graphs: _DecodeGraphs, params, tokens, lengths, active, stops, rng):
+    """Prefill + sampling loop; returns (tokens, log-probs [rows, max_new_tokens], lengths [rows]) for B x N rows.
 
-    Rows that are batch padding (`active` false) count as finished from the start, so they never hold the loop open.
+    Rows of prompts that are batch padding (`active` false) count as finished from the start, so they never hold
+    the loop open.
     """
     self.num_compiles += 1
     if graphs.unscan:
       params = _unscan(params, graphs.abstract_params)
     batch, prefill_length = tokens.shape
-    max_new_tokens = graphs.max_new_tokens
-    cache = jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding), graphs.abstract_cache
-    )
+    num_samples, max_new_tokens, sampling = graphs.num_samples, graphs.max_new_tokens, graphs.sampling
+    rows = batch * num_samples
+    zeros = lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding)
 
     positions = jnp.broadcast_to(jnp.arange(prefill_length, dtype=jnp.int32), (batch, prefill_length))
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32) * DECODING_ACTIVE_SEQUENCE_INDICATOR
-    model = nnx.merge(graphs.prefill_graph, params, cache, graphs.rest, copy=True)
+    prefill_cache = jax.tree.map(zeros, graphs.abstract_prefill_cache)
+    model = nnx.merge(graphs.prefill_graph, params, prefill_cache, graphs.rest, copy=True)
     logits = model(
         tokens, positions, decoder_segment_ids=segment_ids, enable_dropout=False, model_mode=MODEL_MODE_PREFILL
     )
-    cache = nnx.state(model, nnx.Cache)
-    last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = _greedy(last_logits)
+    # Each prompt's cache, repeated to its N sample rows (the batch axis is the one whose size differs). Matched
+    # leaf by leaf: a scanned prefill model's cache carries other sharding metadata than the decode model's.
+    cache, treedef = jax.tree.flatten(nnx.state(model, nnx.Cache))
+    cache = [
+        jax.lax.with_sharding_constraint(_repeat_rows(x, a.shape, num_samples), a.sharding)
+        for x, a in zip(cache, jax.tree.leaves(graphs.abstract_cache), strict=True)
+    ]
+    cache = jax.tree.unflatten(treedef, cache)
+    lengths = jnp.repeat(lengths, num_samples)
+    last_logits = jnp.take_along_axis(logits, (lengths[::num_samples] - 1)[:, None, None], axis=1)[:, 0]
+    last_logits = jnp.repeat(last_logits, num_samples, axis=0)
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(rows))
 
-    out = jnp.full((batch, max_new_tokens), _PAD_ID, jnp.int32).at[:, 0].set(first)
-    carry = (jnp.int32(1), cache, out, ~active | (first == eos_id), jnp.ones((batch,), jnp.int32))
+    def draw(logits, step):
+      token = sampling.draw(logits, jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step))
+      return token, logprobs_lib.token_logprobs(logits, token, sampling.temperature)
+
+    first, first_logprob = draw(last_logits, 0)
+    out = jnp.full((rows, max_new_tokens), _PAD_ID, jnp.int32).at[:, 0].set(first)
+    out_logprobs = jnp.zeros((rows, max_new_tokens), jnp.float32).at[:, 0].set(first_logprob)
+    done = ~jnp.repeat(active, num_samples) | jnp.isin(first, stops)
+    carry = (jnp.int32(1), cache, out, out_logprobs, done, jnp.ones((rows,), jnp.int32))
 
     def cond(carry):
-      step, _, _, done, _ = carry
+      step, _, _, _, done, _ = carry
       return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-      step, cache, out, done, num = carry
+      step, cache, out, out_logprobs, done, num = carry
       previous = jax.lax.dynamic_slice_in_dim(out, step - 1, 1, axis=1)
       model = nnx.merge(graphs.autoregressive_graph, params, cache, graphs.rest, copy=True)
       logits = model(previous, (lengths + step - 1)[:, None], enable_dropout=False, model_mode=MODEL_MODE_AUTOREGRESSIVE)
-      token = jnp.where(done, _PAD_ID, _greedy(logits[:, 0]))
+      token, logprob = draw(logits[:, 0], step)
+      token, logprob = jnp.where(done, _PAD_ID, token), jnp.where(done, 0.0, logprob)
       out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], step, axis=1)
+      out_logprobs = jax.lax.dynamic_update_slice_in_dim(out_logprobs, logprob[:, None], step, axis=1)
       num = num + (~done).astype(jnp.int32)
-      return step + 1, nnx.state(model, nnx.Cache), out, done | (token == eos_id), num
+      return step + 1, nnx.state(model, nnx.Cache), out, out_logprobs, done | jnp.isin(token, stops), num
 
-    _, _, out, _, num = jax.lax.while_loop(cond, body, carry)
-    return out, num
+    _, _, out, out_logprobs, _, num = jax.lax.while_loop(cond, body, carry)
+    return out, out_logprobs, num
 
 
-def _greedy(logits: jax.Array) -> jax.Array:
-  """The next token per row: argmax of the last-axis logits."""
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _repeat_rows(x: jax.Array, shape: tuple[int, ...], num_samples: int) -> jax.Array:
+  """`x` with its batch axis (the one axis where it differs from `shape`) repeated `num_samples` times per row."""
+  if x.shape == tuple(shape):
+    return x
+  (axis,) = [i for i, (have, want) in enumerate(zip(x.shape, shape)) if have != want]
+  return jnp.repeat(x, num_samples, axis=axis)

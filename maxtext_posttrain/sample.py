@@ -1,0 +1,70 @@
+"""Samples completions of one prompt from a checkpoint with the RL sampler (MaxText's KV-cache decode path).
+
+  python -m maxtext_posttrain.sample <config.yml> prompt="..." num_samples=4 [load_parameters_path=...] [key=value ...]
+
+MaxText's keys keep their meaning: `prompt` (formatted with `prompt_template`, tokenized with the config's
+tokenizer), `load_parameters_path` (params of an orbax checkpoint; random weights when unset),
+`decode_sampling_strategy` / `_temperature` / `_top_k` / `_nucleus_p`, and the decode budget
+`max_target_length - max_prefill_predict_length`. Two arguments are this command's own, because MaxText's config
+has no per-prompt sample count (its `rl.num_generations` exists only in its RL config, `multi_sampling` is a switch)
+and no sampling seed: `num_samples=N` (default 1) and `seed=S` (default 0). Prints one JSON line per sample.
+"""
+
+import json
+from typing import Sequence
+
+from absl import app
+import jax
+from flax import nnx
+
+from maxtext.utils import maxtext_utils
+from maxtext.utils import model_creation_utils
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import rollout
+from maxtext_posttrain.data import pipeline
+
+_OWN_ARGS = {"num_samples": 1, "seed": 0}
+
+
+def _split_args(argv: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+  """Takes this command's own `num_samples=` and `seed=` out of MaxText-style argv."""
+  own, rest = dict(_OWN_ARGS), []
+  for arg in argv:
+    key, _, value = arg.partition("=")
+    if key in own and value:
+      own[key] = int(value)
+    else:
+      rest.append(arg)
+  return rest, own
+
+
+def main(argv: Sequence[str]) -> None:
+  argv, own = _split_args(argv)
+  config = posttrain_config.initialize(list(argv))
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  model = model_creation_utils.from_pretrained(config, mesh)  # loads load_parameters_path when set
+  encoder = pipeline.Encoder.from_config(config)
+  sampler = rollout.Sampler(config, mesh)
+  eos_id = encoder.tokenizer.eos_id
+  rollouts = sampler.sample(
+      nnx.state(model, nnx.Param),
+      [encoder.prompt_ids(config.prompt)],
+      config.max_target_length - config.max_prefill_predict_length,
+      eos_id,
+      jax.random.key(own["seed"]),
+      num_samples=own["num_samples"],
+  )
+  for i, tokens in enumerate(rollouts.completions()):
+    row = {
+        "sample": i,
+        "text": encoder.tokenizer.decode([t for t in tokens if t != eos_id]),
+        "num_tokens": int(rollouts.lengths[i]),
+        "finish_reason": rollouts.finish_reasons[i],
+        "logprob": float(rollouts.logprobs[i].sum()),
+    }
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
