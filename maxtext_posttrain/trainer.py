@@ -206,6 +206,8 @@ def setup(config) -> Loop:
   )
   start_step = int(state.optimizer.step.get_value())
   train_utils.validate_completed_steps(start_step, config.steps)
+  if start_step > 0 and lora.enabled(config) and config.load_parameters_path:
+    state = lora.reload_base(state, config)
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   data_sharding = sharding.get_input_data_sharding(config, mesh)

@@ -101,7 +101,10 @@ def test_export_onto_a_base_of_another_shape_is_refused(lora_run, tfds_dir):
 
 
 def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_dir):
-  common = (*LORA, "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=6")
+  """Adapters, their optimizer state and the data order resume, and so does the base loaded from a checkpoint."""
+  run_utils.run(_config(tmp_path, tfds_dir, "steps=3", "async_checkpointing=false", run_name="base"))
+  base = f"load_parameters_path={tmp_path / 'base' / 'checkpoints' / '2' / 'items'}"
+  common = (*LORA, base, "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=6")
   _, full = run_utils.run(
       _config(tmp_path, tfds_dir, *common, "steps=6", f"metrics_file={tmp_path / 'f.jsonl'}", run_name="f")
   )

@@ -191,3 +191,23 @@ def policy_params(model: nnx.Module, config) -> nnx.State:
           for path, value in merged.items()
       }
   )
+
+
+def reload_base(state: nnx.State, config) -> nnx.State:
+  """`state` with its frozen base weights read again from `load_parameters_path`.
+
+  An adapter checkpoint holds no base, and MaxText skips `load_parameters_path` once the run directory has a
+  checkpoint, so without this a resumed LoRA run would train on a freshly initialised base instead of the one it
+  started from.
+  """
+  base = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base)
+  loaded = checkpointing.load_params_from_path(
+      config.load_parameters_path,
+      abstract,
+      config.checkpoint_storage_concurrent_gb,
+      use_ocdbt=config.checkpoint_storage_use_ocdbt,
+      use_zarr3=config.checkpoint_storage_use_zarr3,
+  )
+  state["model"] = nnx.merge_state(state.model, loaded)
+  return state
