@@ -46,8 +46,8 @@ class PostTrainConfig(types.MaxTextConfig):
 
   lora_roles: list[str] = Field(
       ["policy"],
-      description="Trained roles that get adapters when lora.enable_lora is set (policy, critic); the other "
-      "lora.* keys are MaxText's.",
+      description="Trained roles that get adapters when lora.enable_lora is set (only `policy` is built today); "
+      "the other lora.* keys are MaxText's.",
   )
 
   @model_validator(mode="after")

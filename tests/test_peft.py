@@ -105,7 +105,7 @@ def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_d
   run_utils.run(_config(tmp_path, tfds_dir, "steps=3", "async_checkpointing=false", run_name="base"))
   base = f"load_parameters_path={tmp_path / 'base' / 'checkpoints' / '2' / 'items'}"
   common = (*LORA, base, "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=6")
-  _, full = run_utils.run(
+  full_loop, _ = run_utils.run(
       _config(tmp_path, tfds_dir, *common, "steps=6", f"metrics_file={tmp_path / 'f.jsonl'}", run_name="f")
   )
   crashed = ("steps=4", "save_checkpoint_on_completion=false", f"metrics_file={tmp_path / 's.jsonl'}")
@@ -117,6 +117,11 @@ def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_d
   full, split = run_utils.losses(tmp_path / "f.jsonl"), run_utils.losses(tmp_path / "s.jsonl")
   assert sorted(split) == list(range(6))
   np.testing.assert_allclose([split[s] for s in range(6)], [full[s] for s in range(6)], rtol=1e-6)
+  # The export of a run started from a loaded base merges onto that base, not onto a fresh one.
+  merged = export.export(full_loop.config, str(tmp_path / "merged"))
+  plain = trainer.setup(_config(tmp_path, tfds_dir, "enable_checkpointing=false", f"load_parameters_path={merged}"))
+  batch = plain.train_batches.load_next_batch()
+  np.testing.assert_allclose(_logits(plain.policy(), batch), _logits(full_loop.policy(), batch), rtol=1e-4, atol=1e-4)
 
 
 def test_qlora_nf4_quantizes_the_base_and_reduces_the_loss(tmp_path, tfds_dir):

@@ -10,7 +10,6 @@ The result holds the same parameter tree as the model without adapters, in MaxTe
 
 import sys
 
-import jax
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
@@ -51,13 +50,15 @@ def adapter_model(config) -> tuple[nnx.Module, int]:
     raise ValueError(f"No adapter checkpoint under {config.checkpoint_dir}: nothing to export.")
   checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=True)
   state, _, _, _, _ = maxtext_utils.setup_training_state(None, config, mesh, checkpoint_manager, init_state_fn)
+  if config.load_parameters_path:  # the base the adapters were trained on; the restore above does not read it
+    state = lora.reload_base(state, config)
   return nnx.merge(nnx.graphdef(abstract_state), state).model, step
 
 
 def export(config, output: str) -> str:
   """Writes the merged weights to `output`; returns the path to pass as `load_parameters_path`."""
   model, step = adapter_model(config)
-  params = jax.device_get(lora.merged_params(model, config))
+  params = lora.merged_params(model, config)  # sharded arrays: orbax writes each host's shards
   checkpointing.save_params_to_path(
       output, {"params": params}, config.checkpoint_storage_use_ocdbt, config.checkpoint_storage_use_zarr3
   )

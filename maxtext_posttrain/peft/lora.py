@@ -23,7 +23,7 @@ from maxtext.utils import max_logging
 
 _LISTED = 8
 # Roles whose weights are trained; frozen roles (reference, teacher) never carry adapters.
-TRAINED_ROLES = ("policy", "critic")
+TRAINED_ROLES = ("policy",)  # the roles the loop builds and trains; a critic arrives with PPO
 
 
 def _adapter_state(state):
