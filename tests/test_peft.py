@@ -71,6 +71,13 @@ def test_adapter_checkpoint_holds_only_adapters(lora_run):
       "/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]
   }
   assert names and all("_lora_" in n for n in names), sorted(names)[:5]
+  # ... and the adapters' Adam moments, which MaxText 0.2.5's own filter drops (see peft/lora.py).
+  opt_state = ocp.metadata(checkpoints / str(max(int(p.name) for p in checkpoints.iterdir()))).metadata["opt_state"]
+  moments = [
+      "/".join(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  ]
+  assert any("mu" in n and "_lora_a" in n for n in moments), moments[:5]
+  assert not any("mu" in n and "_lora_" not in n for n in moments), moments[:5]
 
 
 def test_merged_export_loads_in_plain_maxtext_with_the_adapter_models_logits(lora_run, tfds_dir):

@@ -115,11 +115,20 @@ def test_samples_of_one_prompt_differ_and_rng_is_per_call(setup):
 
 
 def test_prompts_are_prefilled_once_and_broadcast_to_their_samples(setup):
-  """Greedy N samples of each prompt are N copies of the single-sample continuation: the cache rows line up."""
-  prompts = test_rollout._prompts()[:4]  # pylint: disable=protected-access
-  single = _sample(setup, setup.params, prompts, SamplingParams(), num_samples=1).completions()
-  repeated = _sample(setup, setup.params, prompts, SamplingParams(), num_samples=3).completions()
+  """Greedy N samples of each prompt are N copies of the single-sample continuation: the cache rows line up. The
+  prefill cache holds one row per prompt, the decode cache N, and both are sized from the request: the prompt bucket
+  and max_new_tokens, not max_prefill_predict_length or max_target_length."""
+  prompts = [p[:10] for p in test_rollout._prompts()[1:4]]  # pylint: disable=protected-access
+  single = _sample(setup, setup.params, prompts, SamplingParams(), num_samples=1, max_new_tokens=5).completions()
+  repeated = _sample(setup, setup.params, prompts, SamplingParams(), num_samples=3, max_new_tokens=5).completions()
   assert repeated == [c for c in single for _ in range(3)]
+  (batch, bucket, samples, max_new, _), (graphs, _) = list(setup.sampler._programs.items())[-1]  # pylint: disable=protected-access
+  assert (bucket, samples, max_new) == (16, 3, 5)
+  prefill_dims = {d for leaf in jax.tree.leaves(graphs.abstract_prefill_cache) for d in leaf.shape}
+  decode_dims = {d for leaf in jax.tree.leaves(graphs.abstract_cache) for d in leaf.shape}
+  assert batch in prefill_dims and batch * 3 in decode_dims and batch not in decode_dims
+  assert 16 in prefill_dims and 5 in decode_dims
+  assert not {setup.config.max_prefill_predict_length, setup.config.max_target_length} & (prefill_dims | decode_dims)
 
 
 def test_eos_and_stop_tokens_end_a_sample_and_nothing_after_is_scored(setup):
@@ -181,8 +190,12 @@ def test_bad_requests_raise(setup):
     _sample(setup, setup.params, [[5, 6], []], SamplingParams())
 
 
-def test_sampling_defaults_come_from_maxtext_keys(setup):
-  config = setup.config
-  assert SamplingParams.from_config(config) == SamplingParams(
-      config.decode_sampling_strategy.value, config.decode_sampling_temperature, config.decode_sampling_top_k, 1.0
+def test_sampling_defaults_come_from_maxtext_keys(make_config):
+  config = make_config(
+      "decode_sampling_strategy=composite",
+      "decode_sampling_temperature=0.7",
+      "decode_sampling_top_k=5",
+      "decode_sampling_nucleus_p=0.9",
   )
+  assert SamplingParams.from_config(config) == SamplingParams("composite", 0.7, 5, 0.9)
+  assert SamplingParams.from_config(make_config()).top_p == 1.0  # MaxText's -1 means "no nucleus"
