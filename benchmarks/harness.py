@@ -2,12 +2,16 @@
 
   python -m benchmarks.<name> [configs/sft.yml] [key=value ...] [--flag=value ...]
 
-A leading yml replaces configs/sft.yml; `key=value` arguments override the config after BENCHMARK_MODEL; `--flags`
+A leading yml replaces the benchmark's config (configs/sft.yml unless it says otherwise); `key=value` arguments override the config after BENCHMARK_MODEL; `--flags`
 are the benchmark's own options.
 """
 
 import dataclasses
 import tempfile
+
+from maxtext.trainers.pre_train import train as pretrain
+from maxtext.utils import sharding
+from maxtext.utils import train_utils
 
 from maxtext_posttrain import config as posttrain_config
 
@@ -42,8 +46,24 @@ class Args:
     )
 
 
-def parse(argv) -> Args:
+def parse(argv, default_config: str = "configs/sft.yml") -> Args:
   flags = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--"))
   args = [a for a in argv[1:] if not a.startswith("--")]
-  config_file = args.pop(0) if args and args[0].endswith(".yml") else "configs/sft.yml"
+  config_file = args.pop(0) if args and args[0].endswith(".yml") else default_config
   return Args(config_file, tuple(args), flags)
+
+
+def jit_pretraining_step(loop):
+  """MaxText's own pretraining `train_step`, jitted by MaxText with the loop's state shardings and donation."""
+  config = loop.config
+  params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.state_mesh_shardings)
+  return train_utils.jit_train_step(
+      config,
+      loop.graphdef,
+      loop.state,
+      loop.state_mesh_shardings,
+      sharding.get_input_data_sharding(config, loop.mesh),
+      pretrain.train_step,
+      params_shardings,
+      mesh=loop.mesh,
+  )

@@ -17,9 +17,6 @@ import jax
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
-from maxtext.trainers.pre_train import train as pretrain
-from maxtext.utils import sharding
-from maxtext.utils import train_utils
 
 from benchmarks import harness
 from maxtext_posttrain import trainer
@@ -38,17 +35,7 @@ def main(argv):
   output = args.flag("output", "benchmark_sft_vs_pretrain.json")
   config = args.config("sft")
   loop = trainer.setup(config)
-  params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.state_mesh_shardings)
-  p_pretrain_step = train_utils.jit_train_step(
-      config,
-      loop.graphdef,
-      loop.state,
-      loop.state_mesh_shardings,
-      sharding.get_input_data_sharding(config, loop.mesh),
-      pretrain.train_step,
-      params_shardings,
-      mesh=loop.mesh,
-  )
+  p_pretrain_step = harness.jit_pretraining_step(loop)
   batch = loop.train_batches.load_next_batch()
   state = loop.state
   times = {"sft": [], "pretrain": []}

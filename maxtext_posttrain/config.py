@@ -26,6 +26,21 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSTTRAIN_FILE_TYPES = ("tfds", "jsonl")
 
 
+class Preference(types.DPO):
+  """MaxText's `dpo.*` keys (`algo`, `dpo_beta`, `dpo_label_smoothing`, `orpo_lambda`, `max_prompt_length`) with
+  the algorithms and knobs MaxText lacks."""
+
+  algo: Literal["dpo", "ipo", "orpo", "simpo"] = Field(
+      "dpo", description="dpo (with dpo_label_smoothing: cDPO), ipo, orpo or simpo; orpo and simpo need no reference."
+  )
+  simpo_gamma: float = Field(0.5, description="SimPO's target reward margin (gamma), in units of dpo_beta rewards.")
+  precompute_reference_logprobs: bool = Field(
+      False,
+      description="Score the training pairs under the reference once at setup and reuse the log-probs every epoch, "
+      "instead of a reference forward pass per step; the reference model is freed afterwards.",
+  )
+
+
 class PostTrainConfig(types.MaxTextConfig):
   """MaxText's config with the post-training keys."""
 
@@ -44,6 +59,8 @@ class PostTrainConfig(types.MaxTextConfig):
       "decoding, prompts fill up to max_prefill_predict_length and generation up to max_target_length.",
   )
 
+  dpo: Preference = Field(default_factory=Preference, description="Preference tuning (posttrain_mode=dpo).")
+
   lora_roles: list[str] = Field(
       ["policy"],
       description="Trained roles that get adapters when lora.enable_lora is set (only `policy` is built today); "
@@ -57,14 +74,40 @@ class PostTrainConfig(types.MaxTextConfig):
       bundled = os.path.join(_PACKAGE_PARENT, self.tokenizer_path)
       if os.path.exists(bundled):
         self.tokenizer_path = bundled
+    if self.use_dpo:
+      # MaxText's post_train/dpo.yml sets use_dpo; here it selects posttrain_mode=dpo. MaxText's own checks on it
+      # (no packing, the max_prompt_length default) have run; the flag is then cleared, as MaxText's pretraining
+      # validation refuses it.
+      self.posttrain_mode, self.use_dpo = "dpo", False
     if self.posttrain_mode == "sft":
       self.use_sft = True  # what MaxText's SFT configs set; posttrain_mode=sft implies it
+    if self.posttrain_mode == "dpo":
+      self._check_preference()
     if self.use_tunix_gradient_accumulation:
       # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
       # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.
       max_logging.log("use_tunix_gradient_accumulation=true is ignored: the loop normalises by the global batch weight.")
       self.use_tunix_gradient_accumulation = False
     return self
+
+  def _check_preference(self):
+    if self.packing:
+      raise ValueError("posttrain_mode=dpo does not pack pairs; set packing=false.")
+    if self.dpo.max_prompt_length is None:
+      self.dpo.max_prompt_length = self.max_target_length // 2
+    if self.dpo.max_prompt_length >= self.max_target_length:
+      raise ValueError(
+          f"dpo.max_prompt_length={self.dpo.max_prompt_length} leaves no room for a completion within "
+          f"max_target_length={self.max_target_length}."
+      )
+    if self.dpo.algo in ("ipo", "orpo") and self.dpo.dpo_label_smoothing:
+      raise ValueError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={self.dpo.algo}.")
+
+
+def preference(config) -> Preference:
+  """The typed `dpo.*` section (MaxText's HyperParameters hands nested sections other than lora/rl/debug out as
+  plain dicts)."""
+  return config.dpo if isinstance(config.dpo, Preference) else Preference(**config.dpo)
 
 
 def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:

@@ -23,7 +23,8 @@ def read_metrics(metrics_file: str) -> tuple[dict[int, dict], dict[int, dict]]:
 
 
 def plot_run(metrics_file: str, png_path: str) -> str:
-  """Training loss per step next to held-out loss and answer accuracy at each evaluation; returns `png_path`."""
+  """Training loss per step next to held-out loss, and every held-out `.../accuracy` metric (answer and format
+  accuracy of generations, preference accuracy, ...) at each evaluation; returns `png_path`."""
   train, evals = read_metrics(metrics_file)
   fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
   steps = sorted(train)
@@ -32,10 +33,11 @@ def plot_run(metrics_file: str, png_path: str) -> str:
   loss_ax.plot(eval_steps, [evals[s]["eval/loss"] for s in eval_steps], "o-", label="held-out loss")
   loss_ax.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
   loss_ax.legend()
-  for key, label in (("eval/answer_accuracy", "answer accuracy"), ("eval/format_accuracy", "format accuracy")):
+  keys = sorted({k for row in evals.values() for k in row if k.startswith("eval/") and k.endswith("accuracy")})
+  for key in keys:
     points = sorted(s for s in evals if key in evals[s])
-    acc_ax.plot(points, [evals[s][key] for s in points], "o-", label=label)
-  acc_ax.set(xlabel="step", ylabel="fraction of held-out prompts", ylim=(-0.02, 1.02), title="Greedy generations")
+    acc_ax.plot(points, [evals[s][key] for s in points], "o-", label=key.removeprefix("eval/").replace("_", " "))
+  acc_ax.set(xlabel="step", ylabel="fraction of held-out examples", ylim=(-0.02, 1.02), title="Held-out accuracy")
   acc_ax.legend()
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)

@@ -33,6 +33,7 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import manifest
 from maxtext_posttrain import objectives
 from maxtext_posttrain import progress
+from maxtext_posttrain import roles as roles_lib
 from maxtext_posttrain.peft import lora
 
 
@@ -54,11 +55,19 @@ class Loop:
   p_eval_step: Any
   step: int
   start_step: int
+  roles: dict[str, roles_lib.FrozenModel] = dataclasses.field(default_factory=dict)
   cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects (e.g. a sampler)
 
   def policy(self) -> nnx.Module:
     """The policy model with the current weights (shares the arrays of `state`, no copy)."""
     return nnx.merge(self.graphdef, self.state).model
+
+  def role(self, name: str) -> roles_lib.FrozenModel:
+    """A frozen role of the objective; under LoRA the reference is the current policy with its adapters zeroed."""
+    if name not in self.roles:
+      raise ValueError(f"posttrain_mode={self.objective.name} declared roles {list(self.roles)}, not {name!r}.")
+    role = self.roles[name]
+    return role.follow(self.policy()) if role.follows_policy else role
 
 
 def _loss_and_grads(objective, config, model, params_shardings, batch):
@@ -150,7 +159,8 @@ def make_eval_step(objective):
   def eval_step(graphdef, config, state, data, dropout_rng=None):
     del config, dropout_rng
     out = objective.loss(nnx.merge(graphdef, state).model, data, False)
-    return {"scalar": {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}}
+    scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
+    return {"scalar": scalars | {f"evaluation/metrics/{k}": v for k, v in out.metrics.items()}}
 
   return eval_step
 
@@ -186,9 +196,8 @@ def setup(config) -> Loop:
   check_supported(config)
   lora.validate_config(config)
   objective = objectives.get(config.posttrain_mode)(config)
-  if objective.roles:
-    raise NotImplementedError(f"posttrain_mode={objective.name} needs roles {objective.roles}; none is built yet.")
   mesh = maxtext_utils.get_mesh_from_config(config)
+  roles = {role: roles_lib.build(role, config, mesh) for role in objective.roles}
   create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
   learning_rate_schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
 
@@ -242,6 +251,7 @@ def setup(config) -> Loop:
       p_eval_step=p_eval_step,
       step=start_step,
       start_step=start_step,
+      roles=roles,
   )
 
 
@@ -250,17 +260,18 @@ def evaluate(loop: Loop, logger: MetricLogger | None = None) -> dict[str, float]
   config = loop.config
   results = {}
   if loop.p_eval_step is not None:
-    total, weight = 0.0, 0.0  # summed on device; read once after the last batch
+    sums = {}  # summed on device; read once after the last batch
     loop.data.eval.reset()
     for eval_count, batch in enumerate(loop.data.eval):
-      batch = jax.device_put(batch, _eval_data_sharding(config, loop.mesh))
+      batch = loop.objective.before_eval_step(loop, jax.device_put(batch, _eval_data_sharding(config, loop.mesh)))
       with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules_for_eval):
         scalars = loop.p_eval_step(loop.state, batch)["scalar"]
-      total += scalars["evaluation/total_loss"]
-      weight += scalars["evaluation/total_weights"]
+      sums = {k: sums.get(k, 0.0) + v for k, v in scalars.items()}
       if 0 < config.eval_steps <= eval_count + 1:
         break
-    results["eval/loss"] = float(total) / max(float(weight), 1.0)
+    weight = max(float(sums.pop("evaluation/total_weights")), 1.0)
+    results["eval/loss"] = float(sums.pop("evaluation/total_loss")) / weight
+    results |= {"eval/" + k.removeprefix("evaluation/metrics/"): float(v) / weight for k, v in sums.items()}
   results |= loop.objective.evaluate(loop)
   max_logging.log(f"[eval after {loop.step} steps] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
   if logger is not None:

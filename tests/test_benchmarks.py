@@ -3,6 +3,7 @@
 import json
 
 from benchmarks import decode
+from benchmarks import dpo_vs_pretrain
 from benchmarks import sft_vs_pretrain
 
 
@@ -24,3 +25,16 @@ def test_decode_benchmark_writes_a_row(tmp_path, tfds_dir):
   decode.main(["", *tiny, "--new_tokens=16", "--prompts=2", "--samples=2", "--repeats=1", f"--output={output}"])
   (row,) = json.loads(output.read_text())
   assert row["speedup_vs_no_cache"] > 1.0, row  # even 16 tokens of a 1-layer model beat recomputation
+
+
+def test_dpo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_path, tfds_dir):
+  output = tmp_path / "dpo.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=128"]
+  dpo_vs_pretrain.main(
+      ["", "--repeats=2", f"--output={output}", f"dataset_path={tfds_dir}", *tiny, "dpo.max_prompt_length=64"]
+  )
+  (row,) = json.loads(output.read_text())
+  assert row["objective"] == "dpo (dpo)" and row["predicted_ratio"] == 2 + 2 / 3
+  assert len(row["step_times_s"]["reference"]) == len(row["step_times_s"]["pretrain"]) == 2
+  assert row["step_time_s"] > row["train_time_s"] > 0 and row["reference_time_s"] > 0
+  assert row["ratio_vs_predicted"] == row["ratio"] / row["predicted_ratio"]

@@ -2,14 +2,17 @@
 
 A bundled, offline data set lets a tiny model learn something measurable (answer accuracy) in minutes on a CPU, with
 no download. Answers are short worked solutions ending in `#### <number>`, exactly like GSM8K, so the same answer
-extraction and scoring serve both. Generation is deterministic in (difficulty, split, seed); a question belongs to the
-test split only if its text hashes into the test bucket, so no test question can ever appear in train, whatever the
+extraction and scoring serve both. Preference pairs for DPO and its relatives reuse
+the same problems: the chosen answer is the worked solution, the rejected one a plausible wrong solution (an
+arithmetic slip, a swapped operation or a miscopied final answer). Generation is deterministic in (difficulty,
+split, seed); a question belongs to the test split only if its text hashes into the test bucket, so no test question can ever appear in train, whatever the
 sizes and seeds.
 """
 
 import dataclasses
 import hashlib
 import random
+import re
 
 SPLITS = ("train", "test")
 _TEST_BUCKETS = 10  # one in ten possible questions is reserved for test
@@ -144,3 +147,60 @@ def generate(difficulty: str, split: str, num_examples: int, seed: int) -> list[
   raise ValueError(
       f"Could only draw {len(examples)} distinct {difficulty!r} {split} problems of the {num_examples} asked for."
   )
+
+
+_STEP_LINE = re.compile(r"^(-?\d+) ([-+*]) (\d+) = (-?\d+)$")
+_SWAPPED = {"+": "-", "-": "+", "*": "+"}
+
+
+def _worked(start: int, steps: list[tuple[str, int]], final: int | None = None) -> str:
+  lines, total = [], start
+  for op, operand in steps:
+    result = _apply(op, total, operand)
+    lines.append(f"{total} {op} {operand} = {result}")
+    total = result
+  return "\n".join(lines + [f"#### {total if final is None else final}"])
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+  """A plausible wrong worked solution for `answer`: one step's result slips by 1 to 3 (later steps carry the slip
+  on), one step's operation is swapped, or the steps are right and the final line miscopies the result. Its final
+  answer always differs from the correct one and stays non-negative."""
+  *step_lines, final_line = answer.split("\n")
+  parsed = [_STEP_LINE.match(line) for line in step_lines]
+  if not step_lines or not all(parsed) or not final_line.startswith("#### "):
+    raise ValueError(f"Not a worked arithmetic answer: {answer!r}")
+  start = int(parsed[0].group(1))
+  steps = [(m.group(2), int(m.group(3))) for m in parsed]
+  correct = int(final_line[len("#### ") :])
+  kind = rng.choice(("slip", "swap", "miscopy"))
+  if kind == "swap":
+    k = rng.randrange(len(steps))
+    swapped = steps[:k] + [(_SWAPPED[steps[k][0]], steps[k][1])] + steps[k + 1 :]
+    wrong = _worked(start, swapped)
+    final = int(wrong.rpartition("#### ")[2])
+    if final != correct and final >= 0 and all(int(m) >= 0 for m in re.findall(r"-?\d+", wrong)):
+      return wrong
+    kind = "slip"  # the swap cancelled out or went negative
+  delta = rng.randint(1, 3) * (1 if correct < 3 or rng.random() < 0.5 else -1)
+  if kind == "miscopy":
+    return _worked(start, steps, final=correct + delta)
+  # A slip in the first step's result, carried through the remaining steps.
+  first_op, first_operand = steps[0]
+  slipped = _apply(first_op, start, first_operand) + delta
+  if slipped < 0:
+    slipped = _apply(first_op, start, first_operand) + abs(delta)
+  rest = _worked(slipped, steps[1:]).split("\n")
+  wrong = "\n".join([f"{start} {first_op} {first_operand} = {slipped}"] + rest)
+  if int(wrong.rpartition("#### ")[2]) == correct or any(int(m) < 0 for m in re.findall(r"-?\d+", wrong)):
+    return _worked(start, steps, final=correct + abs(delta))
+  return wrong
+
+
+def generate_preferences(difficulty: str, split: str, num_examples: int, seed: int) -> list[dict[str, str]]:
+  """`generate(...)`'s problems as preference pairs: `question`, `chosen` (the worked solution) and `rejected`."""
+  rng = random.Random(f"arithmetic-preferences/{difficulty}/{split}/{seed}")
+  return [
+      {"question": p["question"], "chosen": p["answer"], "rejected": wrong_answer(p["answer"], rng)}
+      for p in generate(difficulty, split, num_examples, seed)
+  ]

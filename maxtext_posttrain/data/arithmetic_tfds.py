@@ -1,4 +1,4 @@
-"""TFDS builder for the bundled arithmetic word problems.
+"""TFDS builders for the bundled arithmetic word problems and their preference pairs.
 
 Exposing the generator as a TFDS dataset gives it TFDS's versioning, split metadata and on-disk layout, and lets the
 pipeline read it like any other prepared TFDS dataset: written as ArrayRecord and read through grain with
@@ -65,6 +65,44 @@ class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, split, num_examples):
     config = self.builder_config
     for index, example in enumerate(arithmetic.generate(config.difficulty, split, num_examples, config.seed)):
+      yield index, example
+
+
+class ArithmeticPreferences(tfds.core.GeneratorBasedBuilder):
+  """The arithmetic word problems as preference pairs: the worked solution (`chosen`) against a plausible wrong one
+  (`rejected`); the same questions and splits as `arithmetic_word_problems` with the same config."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  BUILDER_CONFIGS = [
+      ArithmeticConfig(name=c.name, difficulty=c.difficulty, description=c.description)
+      for c in ArithmeticWordProblems.BUILDER_CONFIGS
+  ]
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls) -> epath.Path:
+    return epath.Path(__file__)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    text = tfds.features.Text()
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=self.__doc__,
+        features=tfds.features.FeaturesDict({"question": text, "chosen": text, "rejected": text}),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {
+        "train": self._generate_examples("train", self.builder_config.num_train),
+        "test": self._generate_examples("test", self.builder_config.num_test),
+    }
+
+  def _generate_examples(self, split, num_examples):
+    config = self.builder_config
+    pairs = arithmetic.generate_preferences(config.difficulty, split, num_examples, config.seed)
+    for index, example in enumerate(pairs):
       yield index, example
 
 

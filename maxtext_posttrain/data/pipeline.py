@@ -164,8 +164,9 @@ def prepare_split(config, train: bool, encoder: Encoder | None = None):
   return tokenize_split(sources.open_source(config, train), encoder, config, "train" if train else "eval")
 
 
-def _batches(examples, config, pad_id, tokenizer, train: bool, shard_index: int, shard_count: int):
-  """The per-host grain pipeline, as MaxText builds it for dataset_type=grain (shuffle, repeat, shard, batch)."""
+def _batches(examples, config, batch, train: bool, shard_index: int, shard_count: int):
+  """The per-host grain pipeline, as MaxText builds it for dataset_type=grain (shuffle, repeat, shard, batch);
+  `batch(dataset, batch_size)` turns examples into batches (MaxText's SFT formatting, or preference pairs)."""
   dataset = grain.MapDataset.source(examples)
   if train and config.enable_data_shuffling:
     dataset = dataset.shuffle(seed=config.data_shuffle_seed)
@@ -183,23 +184,22 @@ def _batches(examples, config, pad_id, tokenizer, train: bool, shard_index: int,
       if train
       else config.global_batch_size_to_load_eval // jax.process_count()
   )
-  dataset = data_processing_utils.format_and_batch(dataset, config, batch_size, pad_id, ("inputs", "targets"), tokenizer)
   return data_processing_utils.apply_multiprocessing_and_prefetch(
-      dataset,
+      batch(dataset, batch_size),
       config,
       config.grain_worker_count if train else config.grain_worker_count_eval,
       config.grain_per_worker_buffer_size if train else config.grain_per_worker_buffer_size_eval,
   )
 
 
-def _make_iterator(examples, encoder, train, config, mesh, process_indices):
+def _make_iterator(examples, batch, train, config, mesh, process_indices):
   """A MultiHostDataLoadIterator over this host's shard (the signature MaxText's create_process_specific_iterator
   calls)."""
   batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
   if batch_size % mesh.size:
     raise ValueError(f"Global batch size {batch_size} is not divisible by the {mesh.size} devices of the mesh.")
   shard_index, shard_count = process_indices.index(jax.process_index()), len(process_indices)
-  dataloader = _batches(examples, config, encoder.pad_id, encoder.tokenizer, train, shard_index, shard_count)
+  dataloader = _batches(examples, config, batch, train, shard_index, shard_count)
   return multihost_dataloading.MultiHostDataLoadIterator(
       dataloader,
       mesh,
@@ -208,44 +208,51 @@ def _make_iterator(examples, encoder, train, config, mesh, process_indices):
   )
 
 
-def _host_iterator(examples, encoder, config, mesh, train: bool):
-  """This process's iterator, or MaxText's placeholder when it loads no real data."""
+def host_iterator(examples, batch, config, mesh, train: bool):
+  """This process's iterator of global batches over `examples` (a grain source), or MaxText's placeholder when it
+  loads no real data; `batch(dataset, batch_size)` forms the batches."""
   batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
   batch_size_on = config.global_batch_size_to_train_on if train else config.global_batch_size_to_eval_on
   process_indices = input_pipeline_interface.get_process_loading_real_data(
       config.data_sharding, batch_size, batch_size_on, config.max_target_length, mesh
   )
-  make = functools.partial(_make_iterator, examples, encoder, train)
+  make = functools.partial(_make_iterator, examples, batch, train)
   return input_pipeline_interface.create_process_specific_iterator(config, mesh, process_indices, make, train)
 
 
-def _check_supported(config):
+def check_supported(config):
   """Fails on data settings this pipeline would otherwise ignore."""
   if config.dataset_type != "grain":
     raise ValueError(
-        f"The SFT pipeline reads dataset_type=grain (grain_file_type tfds or jsonl), got dataset_type="
+        f"The post-training pipelines read dataset_type=grain (grain_file_type tfds or jsonl), got dataset_type="
         f"{config.dataset_type}. MaxText's hf SFT pipeline builds chat templates with a Hugging Face tokenizer; "
         "export such data to JSONL with prompt/completion fields instead."
     )
   if config.grain_use_elastic_iterator:
-    raise ValueError("grain_use_elastic_iterator is not supported by the maxtext_posttrain SFT pipeline.")
+    raise ValueError("grain_use_elastic_iterator is not supported by the maxtext_posttrain pipelines.")
   if config.colocated_python_data_input:
-    raise ValueError("colocated_python_data_input is not supported by the maxtext_posttrain SFT pipeline.")
+    raise ValueError("colocated_python_data_input is not supported by the maxtext_posttrain pipelines.")
   if 0 < config.expansion_factor_real_data < 1:
-    raise ValueError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain SFT pipeline.")
+    raise ValueError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain pipelines.")
 
 
 def make_sft_iterators(config, mesh):
   """(train_iterator, eval_iterator or None, DataStats). Eval is built when `config.eval_interval > 0`; it is not
   shuffled or repeated, and restarts from its first batch at every eval, so each eval sees the same batches."""
-  _check_supported(config)
+  check_supported(config)
   encoder = Encoder.from_config(config)
   train_examples, train_stats = prepare_split(config, True, encoder)
   eval_examples, eval_stats = prepare_split(config, False, encoder) if config.eval_interval > 0 else (None, None)
   stats = DataStats(train=train_stats, eval=eval_stats)
   max_logging.log(f"SFT data: {stats.to_dict()}")
-  train_iterator = _host_iterator(train_examples, encoder, config, mesh, train=True)
-  eval_iterator = _host_iterator(eval_examples, encoder, config, mesh, train=False) if eval_examples else None
+
+  def batch(dataset, batch_size):
+    return data_processing_utils.format_and_batch(
+        dataset, config, batch_size, encoder.pad_id, ("inputs", "targets"), encoder.tokenizer
+    )
+
+  train_iterator = host_iterator(train_examples, batch, config, mesh, train=True)
+  eval_iterator = host_iterator(eval_examples, batch, config, mesh, train=False) if eval_examples else None
   return train_iterator, eval_iterator, stats
 
 

@@ -102,14 +102,19 @@ def _jsonl_source(patterns: str, columns: tuple[str, ...]) -> RecordSource:
   return RecordSource(rows, f"jsonl:{','.join(files)}")
 
 
-def open_source(config, train: bool) -> RecordSource:
-  """The train (or eval) records named by `config`, with the two configured columns; raises ValueError when empty."""
+def open_source(config, train: bool, column_names: tuple[str, ...] = ("prompt", "completion")) -> RecordSource:
+  """The train (or eval) records named by `config`, with its configured data columns (one per entry of
+  `column_names`, the roles the objective gives them); raises ValueError when empty."""
   files = config.grain_train_files if train else config.grain_eval_files
   columns = tuple(config.train_data_columns if train else config.eval_data_columns)
   if not files:
     raise ValueError(f"{'grain_train_files' if train else 'grain_eval_files'} is empty; set it to the data to read.")
-  if len(columns) != 2:
-    raise ValueError(f"SFT needs two data columns [prompt, completion], got {list(columns)}.")
+  if len(columns) != len(column_names):
+    key = "train_data_columns" if train else "eval_data_columns"
+    raise ValueError(
+        f"posttrain_mode={config.posttrain_mode} reads {len(column_names)} data columns {list(column_names)}; "
+        f"{key} is {list(columns)}."
+    )
   if config.grain_file_type == "tfds":
     data_dir = os.path.expanduser(config.dataset_path) if config.dataset_path else None
     split = config.train_split if train else config.eval_split

@@ -42,7 +42,8 @@ class Objective(abc.ABC):
 
   Attributes:
     name: the `posttrain_mode` value.
-    roles: models besides the trained policy that the loss needs (`reference`, `critic`, `teacher`).
+    roles: frozen models besides the trained policy that the objective reads (`reference`); the loop builds them
+      (`maxtext_posttrain.roles`) and hooks reach them through `loop.role(name)`. May be set per instance.
     batch_keys: the arrays every batch carries; the loop checks batches against them.
   """
 
@@ -63,6 +64,11 @@ class Objective(abc.ABC):
 
   def before_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Host-side hook before each train step (RL samples rollouts here). Returns the batch to train on."""
+    del loop
+    return batch
+
+  def before_eval_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Host-side hook before each held-out loss batch (e.g. adding the reference's log-probs)."""
     del loop
     return batch
 
