@@ -10,14 +10,11 @@ one process; the pretraining batch is the pairs' chosen rows. Prints and writes 
   python -m benchmarks.dpo_vs_pretrain [configs/dpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
 
-import json
-import os
 import statistics
 import sys
 import time
 
 import jax
-from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 
@@ -73,7 +70,6 @@ def main(argv):
       state, reference_s, train_s = dpo_step(state)
       times["reference"].append(reference_s)
       times["train"].append(train_s)
-  num_params = sum(x.size for x in jax.tree.leaves(state.model.filter(nnx.Param)))
   step_times = [r + t for r, t in zip(times["reference"], times["train"])]
   row = {
       "objective": f"dpo ({config.dpo['algo']})",
@@ -85,20 +81,9 @@ def main(argv):
   }
   row["ratio"] = row["step_time_s"] / row["pretrain_step_time_s"]
   row["ratio_vs_predicted"] = row["ratio"] / PREDICTED_RATIO
-  row |= {
-      "model_parameters": int(num_params),
-      "pairs_per_step": config.global_batch_size_to_train_on,
-      "max_target_length": config.max_target_length,
-      "mesh": dict(loop.mesh.shape),
-      "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-      "repeats": repeats,
-      "step_times_s": times,
-  }
-  with open(output, "w", encoding="utf-8") as f:
-    json.dump([row], f, indent=2)
-  keys = ("objective", "step_time_s", "reference_time_s", "train_time_s", "pretrain_step_time_s", "ratio")
-  print(json.dumps({k: row[k] for k in (*keys, "predicted_ratio", "ratio_vs_predicted")}))
-  print(f"model parameters: {num_params / 1e6:.1f}M, wrote {os.path.abspath(output)}")
+  loop.state = state
+  printed = ("objective", "step_time_s", "reference_time_s", "train_time_s", "pretrain_step_time_s", "ratio")
+  harness.write_row(row, loop, repeats, times, output, (*printed, "predicted_ratio", "ratio_vs_predicted"))
 
 
 if __name__ == "__main__":

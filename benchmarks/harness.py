@@ -7,7 +7,12 @@ are the benchmark's own options.
 """
 
 import dataclasses
+import json
+import os
 import tempfile
+
+import jax
+from flax import nnx
 
 from maxtext.trainers.pre_train import train as pretrain
 from maxtext.utils import sharding
@@ -67,3 +72,23 @@ def jit_pretraining_step(loop):
       params_shardings,
       mesh=loop.mesh,
   )
+
+
+def write_row(row: dict, loop, repeats: int, times: dict, output: str, printed: tuple[str, ...]) -> None:
+  """Adds the run's context (model size, shapes, mesh, devices, every step time) to `row`, writes it as a one-row
+  JSON list to `output` and prints the `printed` keys."""
+  config = loop.config
+  num_params = sum(x.size for x in jax.tree.leaves(loop.state.model.filter(nnx.Param)))
+  row |= {
+      "model_parameters": int(num_params),
+      "global_batch": config.global_batch_size_to_train_on,
+      "max_target_length": config.max_target_length,
+      "mesh": dict(loop.mesh.shape),
+      "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+      "repeats": repeats,
+      "step_times_s": times,
+  }
+  with open(output, "w", encoding="utf-8") as f:
+    json.dump([row], f, indent=2)
+  print(json.dumps({k: row[k] for k in printed}))
+  print(f"model parameters: {num_params / 1e6:.1f}M, wrote {os.path.abspath(output)}")

@@ -7,14 +7,11 @@ noise hits both alike. Prints and writes JSON rows `{objective, step_time_s, pre
   python -m benchmarks.sft_vs_pretrain [configs/sft.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
 
-import json
-import os
 import statistics
 import sys
 import time
 
 import jax
-from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 
@@ -48,26 +45,14 @@ def main(argv):
       times["pretrain"].append(seconds)
       state, seconds = _timed(loop.p_train_step, state, batch)
       times["sft"].append(seconds)
-  num_params = sum(x.size for x in jax.tree.leaves(state.model.filter(nnx.Param)))
   row = {
       "objective": "sft",
       "step_time_s": statistics.median(times["sft"]),
       "pretrain_step_time_s": statistics.median(times["pretrain"]),
   }
   row["ratio"] = row["step_time_s"] / row["pretrain_step_time_s"]
-  row |= {
-      "model_parameters": int(num_params),
-      "global_batch": config.global_batch_size_to_train_on,
-      "max_target_length": config.max_target_length,
-      "mesh": dict(loop.mesh.shape),
-      "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-      "repeats": repeats,
-      "step_times_s": times,
-  }
-  with open(output, "w", encoding="utf-8") as f:
-    json.dump([row], f, indent=2)
-  print(json.dumps({k: row[k] for k in ("objective", "step_time_s", "pretrain_step_time_s", "ratio")}))
-  print(f"model parameters: {num_params / 1e6:.1f}M, wrote {os.path.abspath(output)}")
+  loop.state = state
+  harness.write_row(row, loop, repeats, times, output, ("objective", "step_time_s", "pretrain_step_time_s", "ratio"))
 
 
 if __name__ == "__main__":
