@@ -93,10 +93,10 @@ class PairExamples:
     return example
 
 
-def _fit(prompt, chosen, rejected, config, where: str):
+def _fit(prompt, chosen, rejected, config, max_prompt: int, where: str):
   """(prompt, chosen, rejected, truncated): the prompt left-cut to `dpo.max_prompt_length` (bos kept), then each
   completion cut to the room left; with overlong_policy=error, raises naming the pair instead."""
-  max_prompt, length = config_lib.preference(config).max_prompt_length, config.max_target_length
+  length = config.max_target_length
   overlong = len(prompt) > max_prompt or len(prompt) + max(len(chosen), len(rejected)) > length
   if overlong and config.overlong_policy == "error":
     raise ValueError(
@@ -115,6 +115,7 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
   prompt_column, chosen_column, rejected_column = (
       config.train_data_columns if split == "train" else config.eval_data_columns
   )
+  max_prompt = config_lib.preference(config).max_prompt_length
   digest = hashlib.sha256()
   kept, num_identical, num_truncated, num_skipped, num_tokens = [], 0, 0, 0, 0
   for index in range(len(source)):
@@ -128,6 +129,7 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
         encoder.completion_ids(record[chosen_column]),
         encoder.completion_ids(record[rejected_column]),
         config,
+        max_prompt,
         where,
     )
     if not chosen or not rejected or chosen == rejected:
