@@ -41,6 +41,82 @@ class Preference(types.DPO):
   )
 
 
+# MaxText's `rl.loss_agg_mode` spellings (Tunix's) -> the aggregation modes of `losses.policy_gradient` (verl's).
+AGG_MODE_ALIASES = {
+    "token-mean": "token-mean",
+    "sequence-mean-token-mean": "seq-mean-token-mean",
+    "sequence-mean-token-sum": "seq-mean-token-sum",
+    "sequence-mean-token-sum-norm": "seq-mean-token-sum-norm",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
+}
+
+
+class RL(types.RL):
+  """MaxText's `rl.*` keys (`num_generations`, `num_iterations`, `grpo_beta`, `grpo_epsilon`, `epsilon_high`,
+  `loss_algo`, `loss_agg_mode`, `use_rollout_logps`, `force_on_policy_ratio`) with what the GRPO family needs
+  beyond them. `posttrain_mode` picks a preset of these (`RL_PRESETS`); keys a config sets itself win."""
+
+  loss_algo: Literal["grpo", "gspo", "gspo-token"] = Field(
+      "grpo",
+      description="grpo: per-token ratio; gspo: length-normalised sequence ratio; gspo-token: GSPO's sequence ratio "
+      "with token-level advantages (stop-gradient form).",
+  )
+  loss_agg_mode: Literal[tuple(AGG_MODE_ALIASES)] = Field(
+      "sequence-mean-token-mean",
+      description="token-mean (DAPO), sequence-mean-token-mean (GRPO), sequence-mean-token-sum, "
+      "sequence-mean-token-sum-norm (Dr.GRPO: divided by the generation budget); the seq-* spellings are accepted.",
+  )
+  advantage_estimator: Literal["grpo", "rloo"] = Field(
+      "grpo", description="grpo: group-normalised rewards; rloo: reward minus the mean of the other G - 1."
+  )
+  scale_rewards: bool = Field(True, description="grpo estimator: divide by the group's reward std (false: Dr.GRPO).")
+  kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimate to the reference.")
+  dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c for negative advantages (grpo).")
+  rewards: list[str] = Field(
+      ["correctness", "format"],
+      description="Reward functions: built-ins (correctness, format, partial) or 'package.module:function'.",
+  )
+  reward_weights: list[float] = Field([], description="One weight per reward; empty: all 1.")
+  reward_on_error: Literal["raise", "zero"] = Field(
+      "raise", description="A reward that raises: stop naming it and the sample (raise), or score 0 and count (zero)."
+  )
+  dynamic_sampling: bool = Field(
+      False,
+      description="DAPO: drop groups whose rewards all agree and refill the batch with newly sampled prompts.",
+  )
+  max_sampling_rounds: int = Field(
+      3, ge=1, description="Dynamic sampling: rollout rounds per step at most; unfilled slots are masked out."
+  )
+  overlong_buffer_length: int = Field(
+      0,
+      ge=0,
+      description="DAPO soft overlong punishment: completions within this many tokens of the generation budget lose "
+      "reward linearly, up to overlong_penalty at the budget (0: off).",
+  )
+  overlong_penalty: float = Field(1.0, ge=0.0, description="The reward lost by a completion that uses the whole budget.")
+  sampling_seed: int = Field(0, description="Seed of the rollout sampler; step t samples with fold_in(seed, t).")
+
+
+# posttrain_mode -> the rl.* values it stands for, applied to the keys a config does not set. Numbers from the papers:
+# DAPO (Yu et al. 2025) clip-higher 0.28 and token-mean; GSPO (Zheng et al. 2025) sequence clip range 3e-4 / 4e-4.
+RL_PRESETS = {
+    "grpo": {},
+    "drgrpo": {"scale_rewards": False, "loss_agg_mode": "sequence-mean-token-sum-norm", "grpo_beta": 0.0},
+    "dapo": {
+        "epsilon_high": 0.28,
+        "loss_agg_mode": "token-mean",
+        "dynamic_sampling": True,
+        "overlong_buffer_length": -1,  # a quarter of the generation budget, resolved against the config
+        "grpo_beta": 0.0,
+    },
+    "gspo": {"loss_algo": "gspo", "grpo_epsilon": 3e-4, "epsilon_high": 4e-4, "grpo_beta": 0.0},
+    "gspo_token": {"loss_algo": "gspo-token", "grpo_epsilon": 3e-4, "epsilon_high": 4e-4, "grpo_beta": 0.0},
+    "rloo": {"advantage_estimator": "rloo"},
+}
+
+
 class PostTrainConfig(types.MaxTextConfig):
   """MaxText's config with the post-training keys."""
 
@@ -59,7 +135,15 @@ class PostTrainConfig(types.MaxTextConfig):
       "decoding, prompts fill up to max_prefill_predict_length and generation up to max_target_length.",
   )
 
+  eval_samples_per_prompt: int = Field(
+      8,
+      ge=1,
+      description="RL evaluation: completions sampled per held-out prompt for pass@k and maj@k (at least max k).",
+  )
+  eval_pass_at_k: list[int] = Field([1, 5], description="The k of the pass@k and maj@k reported at each RL eval.")
+
   dpo: Preference = Field(default_factory=Preference, description="Preference tuning (posttrain_mode=dpo).")
+  rl: RL = Field(default_factory=RL, description="The GRPO family (posttrain_mode=grpo, drgrpo, dapo, gspo, ...).")
 
   lora_roles: list[str] = Field(
       ["policy"],
@@ -83,6 +167,8 @@ class PostTrainConfig(types.MaxTextConfig):
       self.use_sft = True  # what MaxText's SFT configs set; posttrain_mode=sft implies it
     if self.posttrain_mode == "dpo":
       self._check_preference()
+    if self.posttrain_mode in RL_PRESETS:
+      self._resolve_rl()
     if self.use_tunix_gradient_accumulation:
       # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
       # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.
@@ -102,6 +188,60 @@ class PostTrainConfig(types.MaxTextConfig):
       )
     if self.dpo.algo in ("ipo", "orpo") and self.dpo.dpo_label_smoothing:
       raise ValueError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={self.dpo.algo}.")
+
+  def _resolve_rl(self):
+    """Applies the mode's preset to the rl.* keys left unset, then checks the combination."""
+    rl = self.rl
+    for key, value in RL_PRESETS[self.posttrain_mode].items():
+      if key not in rl.model_fields_set:
+        setattr(rl, key, value)
+    max_new_tokens = self.max_target_length - self.max_prefill_predict_length
+    if rl.overlong_buffer_length == -1:
+      rl.overlong_buffer_length = max(1, max_new_tokens // 4)
+    mode = f"posttrain_mode={self.posttrain_mode}"
+    if max_new_tokens < 1:
+      raise ValueError(
+          f"{mode} generates max_target_length - max_prefill_predict_length tokens per completion; "
+          f"{self.max_target_length} - {self.max_prefill_predict_length} leaves none."
+      )
+    if rl.overlong_buffer_length >= max_new_tokens:
+      raise ValueError(
+          f"rl.overlong_buffer_length={rl.overlong_buffer_length} must be below the generation budget "
+          f"max_target_length - max_prefill_predict_length = {max_new_tokens} tokens."
+      )
+    if rl.num_generations < 2:
+      raise ValueError(f"rl.num_generations={rl.num_generations}: a group needs at least 2 completions per prompt.")
+    if self.packing:
+      raise ValueError(f"{mode} trains on one row per completion; set packing=false.")
+    if rl.epsilon_high is None:
+      rl.epsilon_high = rl.grpo_epsilon
+    if rl.dual_clip is not None and rl.loss_algo != "grpo":
+      raise ValueError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
+    if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
+      raise ValueError(f"rl.reward_weights {rl.reward_weights} needs one weight per reward of rl.rewards {rl.rewards}.")
+    unsupported = {
+        "use_agentic_rollout": rl.use_agentic_rollout,
+        "off_policy_steps": rl.off_policy_steps,
+        "use_rollout_logps=false": not rl.use_rollout_logps,
+    }
+    named = [key for key, on in unsupported.items() if on]
+    if named:
+      raise ValueError(
+          f"{mode} does not support rl.{', rl.'.join(named)}: rollouts are sampled on the trainer's mesh right "
+          "before each step and their log-probs are the old policy's."
+      )
+    if rl.force_on_policy_ratio and rl.num_iterations > 1:
+      raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")
+    if rl.num_iterations > 1 and self.enable_checkpointing and self.checkpoint_period % rl.num_iterations:
+      raise ValueError(
+          f"checkpoint_period={self.checkpoint_period} must be a multiple of rl.num_iterations={rl.num_iterations}, "
+          "so that every checkpoint falls between rollout batches and a resumed run samples what the run it continues "
+          "would have."
+      )
+    if max(self.eval_pass_at_k) > self.eval_samples_per_prompt or min(self.eval_pass_at_k) < 1:
+      raise ValueError(
+          f"eval_pass_at_k={self.eval_pass_at_k} needs 1 <= k <= eval_samples_per_prompt={self.eval_samples_per_prompt}."
+      )
 
 
 def preference(config) -> Preference:

@@ -22,18 +22,32 @@ def read_metrics(metrics_file: str) -> tuple[dict[int, dict], dict[int, dict]]:
   return train, evals
 
 
+def _is_accuracy(key: str) -> bool:
+  name = key.removeprefix("eval/")
+  return key.startswith("eval/") and (name.endswith("accuracy") or name.startswith(("pass_at_", "maj_at_")))
+
+
 def plot_run(metrics_file: str, png_path: str) -> str:
-  """Training loss per step next to held-out loss, and every held-out `.../accuracy` metric (answer and format
-  accuracy of generations, preference accuracy, ...) at each evaluation; returns `png_path`."""
+  """Left: training loss per step next to held-out loss, or for RL runs the mean reward of each step's rollouts
+  (in total and per reward function). Right: every held-out accuracy metric (answer and format accuracy of
+  generations, preference accuracy, pass@k, maj@k, ...) at each evaluation. Returns `png_path`."""
   train, evals = read_metrics(metrics_file)
-  fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (left_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
   steps = sorted(train)
-  loss_ax.plot(steps, [train[s]["learning/loss"] for s in steps], label="train loss", linewidth=1)
-  eval_steps = sorted(s for s in evals if "eval/loss" in evals[s])
-  loss_ax.plot(eval_steps, [evals[s]["eval/loss"] for s in eval_steps], "o-", label="held-out loss")
-  loss_ax.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
-  loss_ax.legend()
-  keys = sorted({k for row in evals.values() for k in row if k.startswith("eval/") and k.endswith("accuracy")})
+  reward_keys = sorted({k for s in steps for k in train[s] if k == "rl/reward_mean" or k.startswith("rl/rewards/")})
+  if reward_keys:
+    for key in reward_keys:
+      points = [s for s in steps if key in train[s]]
+      label = "total reward" if key == "rl/reward_mean" else key.removeprefix("rl/rewards/")
+      left_ax.plot(points, [train[s][key] for s in points], label=label, linewidth=1)
+    left_ax.set(xlabel="step", ylabel="mean over the step's rollouts", title="Reward")
+  else:
+    left_ax.plot(steps, [train[s]["learning/loss"] for s in steps], label="train loss", linewidth=1)
+    eval_steps = sorted(s for s in evals if "eval/loss" in evals[s])
+    left_ax.plot(eval_steps, [evals[s]["eval/loss"] for s in eval_steps], "o-", label="held-out loss")
+    left_ax.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
+  left_ax.legend()
+  keys = sorted({k for row in evals.values() for k in row if _is_accuracy(k)})
   for key in keys:
     points = sorted(s for s in evals if key in evals[s])
     acc_ax.plot(points, [evals[s][key] for s in points], "o-", label=key.removeprefix("eval/").replace("_", " "))

@@ -314,7 +314,8 @@ def train(loop: Loop) -> dict[str, Any]:
   try:
     while loop.step < config.steps:
       step = loop.step
-      batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+      batch = loop.train_batches.load_next_batch() if loop.objective.wants_batch(loop) else None
+      batch = loop.objective.before_step(loop, batch)
       if step == loop.start_step:
         _check_batch_keys(loop.objective, batch)
       with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):

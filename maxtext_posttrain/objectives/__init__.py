@@ -25,6 +25,6 @@ def get(name: str) -> type[Objective]:
 
 
 # Importing the built-in objectives registers them.
-from maxtext_posttrain.objectives import dpo, sft  # pylint: disable=wrong-import-position,unused-import  # noqa: E402,F401
+from maxtext_posttrain.objectives import dpo, grpo, sft  # pylint: disable=wrong-import-position,unused-import  # noqa: E402,F401
 
 __all__ = ["LossOutput", "Objective", "ObjectiveData", "get", "names", "register"]

@@ -62,7 +62,13 @@ class Objective(abc.ABC):
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
     """Pure JAX: the loss of `model` (the policy, an NNX MaxText model) on one (micro)batch. Runs under jit."""
 
-  def before_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  def wants_batch(self, loop) -> bool:
+    """Whether the loop draws the next batch from the data iterator before this step; when not, `before_step`
+    gets None and supplies the batch itself (RL's inner iterations on one rollout batch)."""
+    del loop
+    return True
+
+  def before_step(self, loop, batch: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
     """Host-side hook before each train step (RL samples rollouts here). Returns the batch to train on."""
     del loop
     return batch

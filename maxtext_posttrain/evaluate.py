@@ -1,0 +1,169 @@
+"""Sampled evaluation on held-out prompts: pass@1, unbiased pass@k, maj@k, format and partial accuracy.
+
+  python -m maxtext_posttrain.evaluate <config.yml> load_parameters_path=<params> [key=value ...]
+
+Each of the first `eval_generation_examples` held-out prompts (all of them when 0) gets `eval_samples_per_prompt`
+completions, sampled with MaxText's `decode_sampling_*` keys by the rollout sampler (MaxText's KV-cache decode
+path), and each completion is scored with the math rewards. Per prompt, with n samples of which c are correct:
+
+  pass@k  = 1 - C(n - c, k) / C(n, k)   the chance that k of the n samples, drawn without replacement, include a
+                                        correct one (Chen et al. 2021's unbiased estimator; pass@1 = c / n)
+  maj@k   whether the most common final answer of the first k samples is correct (ties: the earliest answer)
+  format  the share of samples ending in a well-formed `#### <number>` line
+  partial the share of samples within 10% of the reference answer (correct ones included)
+
+averaged over prompts. Sampling uses one fixed key (`rl.sampling_seed`), so two checkpoints are compared on the same
+random draws. The command writes `<base_output_directory>/<run_name>/evaluation.json` and `evaluation.png`; RL
+objectives run the same evaluation every `eval_interval` steps.
+"""
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+from absl import app
+import jax
+import matplotlib
+import numpy as np
+from flax import nnx
+
+from maxtext.utils import max_logging
+from maxtext.utils import maxtext_utils
+from maxtext.utils import model_creation_utils
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import rollout
+from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.data import prompts as prompts_lib
+from maxtext_posttrain.rewards import math as math_rewards
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+
+_EVAL_STREAM = 2**31 - 1  # folded into the sampling seed: evaluation draws apart from any training step's
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a stable product."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}.")
+  if n - c < k:
+    return 1.0
+  return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_answer(answers: Sequence[str | None]) -> str | None:
+  """The most common stated answer (numbers compared by value, e.g. `1,000` = `1000.0`); ties go to the earliest;
+  None when no sample states one."""
+  keys = []
+  for answer in answers:
+    number = None if answer is None else math_rewards.parse_number(answer)
+    keys.append(None if answer is None else (number if number is not None else answer))
+  counts = collections.Counter(k for k in keys if k is not None)
+  if not counts:
+    return None
+  top = max(counts.values())
+  return next(answer for answer, key in zip(answers, keys) if key is not None and counts[key] == top)
+
+
+def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[int]) -> dict[str, float]:
+  """The metrics of module doc over prompts; `texts[p]` are prompt p's n sampled completions (decoded)."""
+  n = len(texts[0])
+  if any(len(group) != n for group in texts):
+    raise ValueError("Every prompt needs the same number of samples.")
+  per_prompt = collections.defaultdict(list)
+  for group, answer in zip(texts, answers, strict=True):
+    golds = [answer] * n
+    correct = math_rewards.correctness([""] * n, list(group), golds)
+    per_prompt["format_accuracy"].append(np.mean(math_rewards.format([""] * n, list(group), golds)))
+    per_prompt["partial_accuracy"].append(np.mean([s > 0 for s in math_rewards.partial([""] * n, list(group), golds)]))
+    stated = [math_rewards.extract_final_answer(text) for text in group]
+    for k in ks:
+      per_prompt[f"pass_at_{k}"].append(pass_at_k(n, int(sum(correct)), k))
+      majority = majority_answer(stated[:k])
+      gold = math_rewards.gold_answer(answer)
+      per_prompt[f"maj_at_{k}"].append(float(majority is not None and math_rewards.answers_equal(majority, gold)))
+  return {name: float(np.mean(values)) for name, values in per_prompt.items()}
+
+
+def sample_texts(
+    sampler: rollout.Sampler, params: nnx.State, prompt_set: prompts_lib.PromptSet, config, eos_id: int, decode
+) -> list[list[str]]:
+  """`eval_samples_per_prompt` completions of every prompt, decoded, in chunks of the training batch's prompt count
+  (the last chunk padded with repeats), so every chunk runs the same compiled decode program."""
+  n, chunk = config.eval_samples_per_prompt, config.global_batch_size_to_train_on
+  rng = jax.random.fold_in(jax.random.key(config.rl.sampling_seed), _EVAL_STREAM)
+  max_new_tokens = config.max_target_length - config.max_prefill_predict_length
+  sampling = rollout.SamplingParams.from_config(config)
+  texts = []
+  for start in range(0, len(prompt_set), chunk):
+    indices = [min(i, len(prompt_set) - 1) for i in range(start, start + chunk)]
+    out = sampler.sample(
+        params,
+        [list(prompt_set.prompt_ids[i]) for i in indices],
+        max_new_tokens,
+        eos_id,
+        jax.random.fold_in(rng, start),
+        sampling,
+        num_samples=n,
+    )
+    completions = [decode(tokens) for tokens in out.completions()]
+    count = min(chunk, len(prompt_set) - start)
+    texts += [completions[p * n : (p + 1) * n] for p in range(count)]
+  return texts
+
+
+def evaluate(sampler, params, prompt_set, config, encoder: pipeline.Encoder) -> tuple[dict[str, float], list[dict]]:
+  """(metrics, samples): the module doc's metrics of `params` on `prompt_set`, and each prompt's completions."""
+  eos_id = encoder.tokenizer.eos_id
+  texts = sample_texts(
+      sampler, params, prompt_set, config, eos_id, lambda ids: encoder.tokenizer.decode([t for t in ids if t != eos_id])
+  )
+  metrics = score(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
+  samples = [
+      {"prompt": prompt, "answer": answer, "completions": group}
+      for prompt, answer, group in zip(prompt_set.prompt_texts, prompt_set.answers, texts)
+  ]
+  return metrics, samples
+
+
+def plot(metrics: dict[str, float], png_path: str, title: str) -> str:
+  """Bars of every metric, pass@k and maj@k first; returns `png_path`."""
+  names = sorted(metrics, key=lambda name: (not name.startswith(("pass_at_", "maj_at_")), name))
+  fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
+  bars = ax.bar(names, [metrics[name] for name in names], color="tab:blue")
+  ax.bar_label(bars, labels=[f"{metrics[name]:.1%}" for name in names])
+  ax.set(ylim=(0, 1.05), ylabel="fraction of held-out prompts", title=title)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+  return png_path
+
+
+def main(argv: Sequence[str]) -> None:
+  config = posttrain_config.initialize(list(argv))
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  model = model_creation_utils.from_pretrained(config, mesh)  # loads load_parameters_path when set
+  encoder = pipeline.Encoder.from_config(config)
+  prompt_set = prompts_lib.load(config, train=False, limit=config.eval_generation_examples or None, encoder=encoder)
+  metrics, samples = evaluate(rollout.Sampler(config, mesh), nnx.state(model, nnx.Param), prompt_set, config, encoder)
+  out_dir = os.path.join(config.base_output_directory, config.run_name)
+  os.makedirs(out_dir, exist_ok=True)
+  report = {
+      "metrics": metrics,
+      "params": config.load_parameters_path or f"random init (init_weights_seed={config.init_weights_seed})",
+      "prompts": prompt_set.describe(),
+      "samples_per_prompt": config.eval_samples_per_prompt,
+      "sampling": dataclasses.asdict(rollout.SamplingParams.from_config(config)),
+      "samples": samples,
+  }
+  with open(os.path.join(out_dir, "evaluation.json"), "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  png = plot(metrics, os.path.join(out_dir, "evaluation.png"), f"{len(samples)} held-out prompts")
+  max_logging.log(f"Wrote {out_dir}/evaluation.json and {png}.")
+  print(json.dumps(metrics), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
