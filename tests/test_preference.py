@@ -133,19 +133,6 @@ def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(m
     assert abs(float(out.metrics[key])) / pairs < 1e-4, (key, out.metrics[key])
 
 
-@pytest.fixture(scope="session")
-def sft_checkpoint(tmp_path_factory, tfds_dir):
-  """Params of a 200-step SFT run on the bundled arithmetic data: the usual starting point of preference tuning."""
-  from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
-  from tests.paths import REPO  # pylint: disable=import-outside-toplevel
-
-  out = tmp_path_factory.mktemp("sft")
-  argv = ["", str(REPO / "configs/sft.yml"), "run_name=sft", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
-  argv += ["steps=200", "eval_interval=0", "checkpoint_period=1000", "async_checkpointing=false"]
-  run_utils.run(posttrain_config.initialize(argv))
-  return out / "sft" / "checkpoints" / "199" / "items"
-
-
 def _preference_run(make_config, tmp_path, *overrides):
   """(eval before, eval after) of a seeded preference run on the bundled pairs."""
   config = make_config(

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from maxtext.utils import max_logging
 from maxtext.utils import sharding as maxtext_sharding
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import evaluate as evaluate_lib

@@ -1,0 +1,143 @@
+"""The GRPO family (posttrain_mode=grpo, drgrpo, dapo, gspo, gspo_token, rloo): config presets, rollout rows,
+sampler/trainer agreement, inner iterations, dynamic sampling, and seeded runs that raise the reward."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import objectives
+from maxtext_posttrain import trainer
+from maxtext_posttrain.objectives import grpo
+from maxtext_posttrain.rewards import shaping
+from tests import run_utils
+
+GRPO = "configs/grpo.yml"
+# Small rollouts from scratch: 2 prompts x 4 samples, short completions.
+TINY = ("per_device_batch_size=2", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false")
+# A reward with variance even under random weights: the length of a completion in characters.
+CHARACTERS = ('rl.rewards=["tests.rewards_for_tests:characters"]', "rl.reward_weights=[1.0]")
+
+
+def _metrics(path) -> dict[int, dict]:
+  return {int(row["step"]): row for row in map(json.loads, path.read_text().splitlines()) if "learning/loss" in row}
+
+
+def test_modes_are_presets_of_maxtexts_rl_keys_and_a_set_key_wins(make_config):
+  assert set(config_lib.RL_PRESETS) <= set(objectives.names())
+  dapo = make_config("posttrain_mode=dapo", config_file=GRPO).rl
+  assert (dapo.loss_agg_mode, dapo.epsilon_high, dapo.dynamic_sampling, dapo.grpo_beta) == ("token-mean", 0.28, True, 0)
+  assert dapo.overlong_buffer_length == (96 - 64) // 4  # a quarter of the generation budget, in tokens
+  drgrpo = make_config("posttrain_mode=drgrpo", config_file=GRPO).rl
+  assert (drgrpo.scale_rewards, drgrpo.loss_agg_mode) == (False, "sequence-mean-token-sum-norm")
+  gspo_token = make_config("posttrain_mode=gspo_token", "rl.grpo_beta=0.02", config_file=GRPO).rl
+  assert (gspo_token.loss_algo, gspo_token.grpo_epsilon, gspo_token.grpo_beta) == ("gspo-token", 3e-4, 0.02)
+  assert make_config("posttrain_mode=rloo", config_file=GRPO).rl.advantage_estimator == "rloo"
+  # MaxText's own spelling of GSPO-token and of the aggregation modes; epsilon_high defaults to grpo_epsilon.
+  rl = make_config("rl.loss_algo=gspo-token", "rl.loss_agg_mode=token-mean", config_file=GRPO).rl
+  assert (rl.loss_algo, rl.epsilon_high) == ("gspo-token", 0.2)
+  assert grpo.GRPO(make_config("rl.loss_algo=gspo-token", config_file=GRPO)).algo == "gspo_token"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("rl.num_generations=1",), "at least 2 completions"),
+        (("packing=true",), "set packing=false"),
+        (("rl.overlong_buffer_length=32",), "below the generation budget"),
+        (("max_target_length=64",), "leaves none"),
+        (("rl.num_iterations=2", "checkpoint_period=5"), "multiple of rl.num_iterations=2"),
+        (("rl.use_agentic_rollout=true",), "does not support rl.use_agentic_rollout"),
+        (("rl.dual_clip=3", "rl.loss_algo=gspo"), "dual_clip applies to rl.loss_algo=grpo"),
+        (("rl.reward_weights=[1.0]",), "one weight per reward"),
+        (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
+    ],
+)
+def test_bad_rl_settings_fail_naming_the_key(make_config, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    make_config(*overrides, config_file=GRPO)
+
+
+def test_training_rows_put_sampler_logprobs_on_the_completion_targets():
+  rows = grpo.training_rows([[1, 10, 11]], [[20, 21, 2]], [np.array([-0.5, -0.25, -0.125, 0.0])], length=8)
+  np.testing.assert_array_equal(rows["inputs"][0], [1, 10, 11, 20, 21, 0, 0, 0])
+  np.testing.assert_array_equal(rows["targets"][0], [10, 11, 20, 21, 2, 0, 0, 0])
+  np.testing.assert_array_equal(rows["completion_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])  # predicting 20, 21, eos
+  np.testing.assert_array_equal(rows["old_logps"][0], [0, 0, -0.5, -0.25, -0.125, 0, 0, 0])
+  np.testing.assert_array_equal(rows["segmentation"][0], [1, 1, 1, 1, 1, 0, 0, 0])
+
+
+def test_overlong_penalty_ramps_over_the_buffer_in_tokens():
+  lengths = np.array([0, 24, 25, 28, 31, 32, 40])
+  np.testing.assert_allclose(
+      shaping.overlong_penalty(lengths, max_length=32, buffer_length=8, penalty=0.5),
+      [0, 0, -0.5 / 8, -0.5 * 4 / 8, -0.5 * 7 / 8, -0.5, -0.5],
+  )
+  np.testing.assert_array_equal(shaping.overlong_penalty(lengths, 32, 0), 0)
+  with pytest.raises(ValueError, match="buffer_length=32"):
+    shaping.overlong_penalty(lengths, 32, 32)
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(make_config):
+  objective = grpo.GRPO(make_config("posttrain_mode=dapo", config_file=GRPO))
+  group = lambda *rewards: grpo._Group([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), np.array(rewards))  # pylint: disable=protected-access
+  flat, mixed, mixed2 = group(1.0, 1.0), group(0.0, 1.0), group(1.0, 0.5)
+  chosen, masked = objective._select([flat, mixed, flat, mixed2], 2)  # pylint: disable=protected-access
+  assert chosen == [mixed, mixed2] and masked == 0
+  chosen, masked = objective._select([flat, mixed, flat], 3)  # pylint: disable=protected-access
+  assert chosen == [mixed, flat, flat] and masked == 2
+
+
+def test_first_iteration_ratio_is_one_and_inner_iterations_reuse_the_rollouts(make_config, tmp_path):
+  """Sampler and trainer score tokens alike (ratio 1 at the first iteration on a batch); with num_iterations=2 the
+  second step trains on the same rollouts (ratio moves off 1) and draws no prompts."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *TINY, *CHARACTERS, "rl.num_iterations=2", "rl.grpo_beta=0.1", "learning_rate=1e-2", "steps=4", "eval_interval=0",
+      f"metrics_file={metrics_file}", config_file=GRPO,
+  )  # fmt: skip
+  loop = trainer.setup(config)
+  iterator_reads = []
+  load = loop.train_batches.load_next_batch
+  loop.train_batches.load_next_batch = lambda: iterator_reads.append(loop.step) or load()
+  trainer.train(loop)
+  rows = _metrics(metrics_file)
+  assert iterator_reads == [0, 2]
+  for step in (0, 2):
+    assert rows[step]["rl/iteration"] == 0
+    assert abs(rows[step]["learning/ratio_mean"] - 1.0) < 1e-5, rows[step]
+  for step in (1, 3):
+    assert rows[step]["rl/iteration"] == 1
+    assert abs(rows[step]["learning/ratio_mean"] - 1.0) > 1e-4, rows[step]
+  assert rows[0]["learning/kl"] < 1e-8 < rows[1]["learning/kl"]  # the policy starts as its reference, then leaves it
+  assert rows[0]["rl/reward_std"] > 0 and rows[0]["learning/entropy"] > 1.0
+
+
+def _reward_run(make_config, tmp_path, *overrides) -> tuple[list[float], dict[int, dict]]:
+  """The mean rollout reward of each step of a seeded 30-step run from random weights."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *TINY, "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
+      f"metrics_file={metrics_file}", *overrides, config_file=GRPO,
+  )  # fmt: skip
+  run_utils.run(config)
+  rows = _metrics(metrics_file)
+  return [rows[step]["rl/reward_mean"] for step in sorted(rows)], rows
+
+
+@pytest.mark.parametrize("mode", ["grpo", "gspo_token"])
+def test_rl_raises_a_learnable_reward(make_config, tmp_path, mode):
+  rewards, _ = _reward_run(make_config, tmp_path, f"posttrain_mode={mode}", *CHARACTERS)
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, (mode, rewards)
+
+
+def test_dapo_refills_agreeing_groups_and_raises_the_reward(make_config, tmp_path):
+  """Under random weights most groups agree (no digit anywhere, and every completion runs into the overlong
+  penalty): dynamic sampling resamples, and the reward (digits, minus the overlong penalty) rises."""
+  reward = ('rl.rewards=["tests.rewards_for_tests:contains_digit"]', "rl.reward_weights=[1.0]")
+  rewards, rows = _reward_run(make_config, tmp_path, "posttrain_mode=dapo", *reward)
+  assert rows[0]["rl/overlong_penalty"] < -0.5 and rows[0]["rl/zero_variance_fraction"] > 0
+  assert max(row["rl/sampling_rounds"] for row in rows.values()) == 3  # rl.max_sampling_rounds
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.5, rewards
