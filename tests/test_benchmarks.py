@@ -4,6 +4,7 @@ import json
 
 from benchmarks import decode
 from benchmarks import dpo_vs_pretrain
+from benchmarks import grpo_vs_pretrain
 from benchmarks import sft_vs_pretrain
 
 
@@ -38,3 +39,14 @@ def test_dpo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_pat
   assert len(row["step_times_s"]["reference"]) == len(row["step_times_s"]["pretrain"]) == 2
   assert row["step_time_s"] > row["train_time_s"] > 0 and row["reference_time_s"] > 0
   assert row["ratio_vs_predicted"] == row["ratio"] / row["predicted_ratio"]
+
+
+def test_grpo_vs_pretrain_splits_the_step_into_rollout_reference_and_train(tmp_path, tfds_dir):
+  output = tmp_path / "grpo.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=160"]
+  grpo_vs_pretrain.main(["", "--repeats=2", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
+  (row,) = json.loads(output.read_text())
+  assert row["objective"] == "grpo (G=8, beta=0.04)"
+  assert len(row["step_times_s"]["rollout"]) == len(row["step_times_s"]["pretrain"]) == 2
+  assert min(row[f"{part}_time_s"] for part in ("rollout", "reward", "reference", "train")) > 0
+  assert row["train_ratio"] == row["train_time_s"] / row["pretrain_step_time_s"]

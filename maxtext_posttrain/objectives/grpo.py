@@ -117,7 +117,7 @@ class GRPO(Objective):
     self.train_prompts = self.eval_prompts = None
     self._sampler = None
     self._batch = None  # the rollout batch of the current num_iterations cycle
-    self._host_metrics = {}
+    self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
 
   def make_data(self, mesh) -> ObjectiveData:
     config = self.config
@@ -139,7 +139,7 @@ class GRPO(Objective):
 
   def before_step(self, loop, batch):
     if batch is None:  # another iteration on the cycle's rollouts; the old log-probs stay those of the sampler
-      self._host_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
+      self.step_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
       return self._batch
     timer, metrics = time.perf_counter(), {"rl/iteration": 0.0}
     groups, first_round, rounds = [], None, 0
@@ -172,7 +172,7 @@ class GRPO(Objective):
       metrics["rl/reference_seconds"] = time.perf_counter() - start
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer
     self._batch = batch
-    self._host_metrics = metrics
+    self.step_metrics = metrics
     return self._batch
 
   def _indices(self, batch) -> list[int]:
@@ -257,7 +257,7 @@ class GRPO(Objective):
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in rows.items()}
 
   def after_step(self, loop, step, metrics):
-    metrics["scalar"].update(self._host_metrics)
+    metrics["scalar"].update(self.step_metrics)
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
     config, rl = self.config, self.rl

@@ -1,0 +1,82 @@
+"""A GRPO step split into rollout, reference and train time, the train part against MaxText's pretraining step on the
+same tokens, model and mesh.
+
+A GRPO step samples G completions for each of B prompts (MaxText decoding with the KV cache), scores them, runs the
+frozen reference's forward over the B x G rows (when rl.grpo_beta > 0), then the policy's forward and backward over
+the same rows. The train part does what a pretraining step does on those rows, plus the clipped-ratio loss and an
+entropy over the vocabulary, so FLOPs predict train / pretraining = 1. Both steps are jitted by MaxText's
+`train_utils.jit_train_step` with the same state shardings and donation and run alternately in one process; the
+pretraining batch is the GRPO rows themselves (prompt + completion tokens, with their positions and segment ids).
+Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, reference_time_s, train_time_s,
+pretrain_step_time_s, train_ratio}`.
+
+  python -m benchmarks.grpo_vs_pretrain [configs/grpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+from flax.linen import partitioning as nn_partitioning
+
+from benchmarks import harness
+from maxtext_posttrain import trainer
+
+
+def _pretraining_batch(batch):
+  """The GRPO rows as a MaxText pretraining batch (inputs/targets with positions and segment ids)."""
+  return {
+      "inputs": batch["inputs"],
+      "inputs_position": batch["positions"],
+      "inputs_segmentation": batch["segmentation"],
+      "targets": batch["targets"],
+      "targets_position": batch["positions"],
+      "targets_segmentation": batch["segmentation"],
+  }
+
+
+def main(argv):
+  args = harness.parse(argv, default_config="configs/grpo.yml")
+  repeats = int(args.flag("repeats", "5"))
+  output = args.flag("output", "benchmark_grpo_vs_pretrain.json")
+  # One prompt per device x 8 samples: as many rows as the SFT and DPO benchmarks' pretraining batch.
+  config = args.config(
+      "grpo", "per_device_batch_size=1", "rl.num_generations=8", "max_prefill_predict_length=128", "rl.grpo_beta=0.04"
+  )
+  loop = trainer.setup(config)
+  p_pretrain_step = harness.jit_pretraining_step(loop)
+  times = {"rollout": [], "reward": [], "reference": [], "train": [], "pretrain": []}
+
+  def grpo_step(state):
+    loop.state = state
+    batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+    start = time.perf_counter()
+    state, _ = jax.block_until_ready(loop.p_train_step(loop.state, batch))
+    return state, batch, dict(loop.objective.step_metrics), time.perf_counter() - start
+
+  state = loop.state
+  with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    for repeat in range(-2, repeats):  # two warm-up rounds compile every program
+      state, batch, metrics, train_s = grpo_step(state)
+      start = time.perf_counter()
+      state, _ = jax.block_until_ready(p_pretrain_step(state, _pretraining_batch(batch)))
+      if repeat >= 0:
+        times["pretrain"].append(time.perf_counter() - start)
+        times["train"].append(train_s)
+        for part in ("rollout", "reward", "reference"):
+          times[part].append(metrics.get(f"rl/{part}_seconds", 0.0))
+  row = {"objective": f"{config.posttrain_mode} (G={config.rl.num_generations}, beta={config.rl.grpo_beta})"}
+  for part in ("rollout", "reward", "reference", "train"):
+    row[f"{part}_time_s"] = statistics.median(times[part])
+  row["step_time_s"] = sum(row[f"{part}_time_s"] for part in ("rollout", "reward", "reference", "train"))
+  row["pretrain_step_time_s"] = statistics.median(times["pretrain"])
+  row["train_ratio"] = row["train_time_s"] / row["pretrain_step_time_s"]
+  row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
+  loop.state = state
+  printed = ("objective", "step_time_s", "rollout_time_s", "reward_time_s", "reference_time_s", "train_time_s")
+  harness.write_row(row, loop, repeats, times, output, (*printed, "pretrain_step_time_s", "train_ratio"))
+
+
+if __name__ == "__main__":
+  main(sys.argv)
