@@ -131,8 +131,9 @@ class PostTrainConfig(types.MaxTextConfig):
   eval_generation_examples: int = Field(
       0,
       ge=0,
-      description="Held-out prompts decoded greedily at each eval to report answer accuracy (0: off). As in MaxText's "
-      "decoding, prompts fill up to max_prefill_predict_length and generation up to max_target_length.",
+      description="Held-out prompts decoded at each eval (0: off): greedily for SFT's answer accuracy, "
+      "eval_samples_per_prompt samples each for RL's pass@k. As in MaxText's decoding, prompts fill up to "
+      "max_prefill_predict_length and generation up to max_target_length.",
   )
 
   eval_samples_per_prompt: int = Field(

@@ -34,7 +34,14 @@ def plot_run(metrics_file: str, png_path: str) -> str:
   train, evals = read_metrics(metrics_file)
   fig, (left_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
   steps = sorted(train)
-  reward_keys = sorted({k for s in steps for k in train[s] if k == "rl/reward_mean" or k.startswith("rl/rewards/")})
+  reward_keys = sorted(
+      {
+          k
+          for s in steps
+          for k in train[s]
+          if k == "rl/reward_mean" or k.startswith("rl/rewards/") and not k.endswith("_std")
+      }
+  )
   if reward_keys:
     for key in reward_keys:
       points = [s for s in steps if key in train[s]]

@@ -14,6 +14,8 @@ from maxtext.utils import maxtext_utils
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import arithmetic_tfds
 from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.data import prompts
+from maxtext_posttrain.rewards import math as math_rewards
 from tests.paths import GSM8K
 
 ROWS = [
@@ -173,20 +175,14 @@ def test_train_iterator_resumes_in_the_same_order_and_eval_repeats(tmp_path, sma
   assert first and all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def test_load_eval_examples(tmp_path, small_config):
+def test_prompt_sets_keep_source_order_template_and_answers(tmp_path, small_config):
   config = jsonl_config(small_config, tmp_path)
-  examples = pipeline.load_eval_examples(config, 2)
-  assert [e["completion_text"] for e in examples] == [r["answer"] for r in ROWS[:2]]
-  assert examples[0]["prompt_text"] == config.prompt_template.format(prompt=ROWS[0]["question"])
-  assert examples[0]["prompt_ids"] == pipeline.Encoder.from_config(config).prompt_ids(ROWS[0]["question"])
-
-
-def test_extract_answer():
-  assert pipeline.extract_answer("3 + 5 = 8\n#### 8") == "8"
-  assert pipeline.extract_answer("#### $1,234.0") == "1234"
-  assert pipeline.extract_answer("#### -3.50.") == "-3.5"
-  assert pipeline.extract_answer("no marker 12") is None
-  assert pipeline.extract_answer("#### none") is None
+  prompt_set = prompts.load(config, train=False, limit=2)
+  assert list(prompt_set.answers) == [r["answer"] for r in ROWS[:2]]
+  assert prompt_set.prompt_texts[0] == config.prompt_template.format(prompt=ROWS[0]["question"])
+  assert list(prompt_set.prompt_ids[0]) == pipeline.Encoder.from_config(config).prompt_ids(ROWS[0]["question"])
+  assert prompt_set[1] == {prompts.INDEX_KEY: 1} and len(prompt_set) == 2
+  assert prompts.load(config, train=False, limit=2).fingerprint == prompt_set.fingerprint
 
 
 def test_gsm8k_jsonl(tmp_path, small_config):
@@ -194,5 +190,5 @@ def test_gsm8k_jsonl(tmp_path, small_config):
   _, stats = pipeline.prepare_split(config, train=True)
   assert stats.num_examples == 7473
   with open(os.path.join(GSM8K, "test.jsonl"), encoding="utf-8") as f:
-    answers = [pipeline.extract_answer(json.loads(line)["answer"]) for line in f]
-  assert len(answers) == 1319 and all(answer is not None and float(answer) == float(answer) for answer in answers)
+    answers = [math_rewards.gold_answer(json.loads(line)["answer"]) for line in f]
+  assert len(answers) == 1319 and all(math_rewards.parse_number(answer) is not None for answer in answers)

@@ -1,6 +1,7 @@
 """Sampled evaluation metrics: unbiased pass@k against brute-force enumeration, maj@k voting, and scoring."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -46,3 +47,22 @@ def test_score_reports_pass_maj_format_and_partial_per_prompt_then_averages():
   assert metrics["maj_at_3"] == pytest.approx(0.5)  # prompt 1: 4, 5, 4 -> 4, right; prompt 2: 11, 11, 12 -> 11, wrong
   assert metrics["format_accuracy"] == pytest.approx((3 / 4 + 4 / 4) / 2)
   assert metrics["partial_accuracy"] == pytest.approx((2 / 4 + 3 / 4) / 2)
+
+
+def test_evaluate_command_writes_json_and_png(tmp_path, tfds_dir):
+  from tests.paths import REPO  # pylint: disable=import-outside-toplevel
+
+  argv = ["", str(REPO / "configs/grpo.yml"), "run_name=ev", f"base_output_directory={tmp_path}"]
+  argv += [f"dataset_path={tfds_dir}", "eval_generation_examples=3", "eval_samples_per_prompt=5", "max_target_length=80"]
+  evaluate.main(argv)
+  report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+  assert set(report["metrics"]) == {
+      "pass_at_1",
+      "pass_at_5",
+      "maj_at_1",
+      "maj_at_5",
+      "format_accuracy",
+      "partial_accuracy",
+  }
+  assert len(report["samples"]) == 3 and all(len(s["completions"]) == 5 for s in report["samples"])
+  assert report["params"].startswith("random init") and (tmp_path / "ev" / "evaluation.png").stat().st_size > 0

@@ -6,6 +6,8 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import objectives
@@ -90,6 +92,21 @@ def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(
   assert chosen == [mixed, flat, flat] and masked == 2
 
 
+def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
+  """The old log-probs the sampler records (decode path, KV cache, temperature 0.7) are the trainer's log-probs of
+  the same tokens (one forward over prompt + completion), token by token: the first iteration's ratio is 1."""
+  config = make_config(*TINY, *CHARACTERS, "decode_sampling_temperature=0.7", "eval_interval=0", config_file=GRPO)
+  loop = trainer.setup(config)
+  batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    logps, _ = jax.jit(lambda state, b: grpo.token_logps(nnx.merge(loop.graphdef, state).model, b, 0.7))(
+        loop.state, batch
+    )
+  mask = np.asarray(batch["completion_mask"]) != 0
+  difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
+  assert mask.sum() >= 8 and difference.max() < 1e-4, difference.max()
+
+
 def test_first_iteration_ratio_is_one_and_inner_iterations_reuse_the_rollouts(make_config, tmp_path):
   """Sampler and trainer score tokens alike (ratio 1 at the first iteration on a batch); with num_iterations=2 the
   second step trains on the same rollouts (ratio moves off 1) and draws no prompts."""
@@ -141,3 +158,22 @@ def test_dapo_refills_agreeing_groups_and_raises_the_reward(make_config, tmp_pat
   assert rows[0]["rl/overlong_penalty"] < -0.5 and rows[0]["rl/zero_variance_fraction"] > 0
   assert max(row["rl/sampling_rounds"] for row in rows.values()) == 3  # rl.max_sampling_rounds
   assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.5, rewards
+
+
+def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_path):
+  """A resumed RL run draws the same prompts (grain iterator checkpoint) and the same samples (the sampling key is
+  folded from the step), so its rewards and losses are those of one uninterrupted run."""
+  common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
+  common += ("async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO))
+    return _metrics(metrics_file)
+
+  full = run("full", "steps=5")
+  run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2; its last checkpoint is step 2's
+  split = run("split", "steps=5")
+  assert sorted(split) == sorted(full) == list(range(5))
+  for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm"):
+    np.testing.assert_allclose([split[s][key] for s in range(5)], [full[s][key] for s in range(5)], rtol=1e-5)

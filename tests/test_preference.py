@@ -8,9 +8,9 @@ import pytest
 
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
-from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.objectives import dpo as dpo_objective
+from maxtext_posttrain.rewards import math as math_rewards
 from tests import run_utils
 
 DPO = "configs/dpo.yml"
@@ -63,7 +63,7 @@ def test_bundled_pairs_prefer_the_correct_worked_answer():
     assert [p["question"] for p in pairs] == [p["question"] for p in problems]
     for problem, pair in zip(problems, pairs):
       assert pair["chosen"] == problem["answer"]
-      chosen, rejected = pipeline.extract_answer(pair["chosen"]), pipeline.extract_answer(pair["rejected"])
+      chosen, rejected = math_rewards.gold_answer(pair["chosen"]), math_rewards.gold_answer(pair["rejected"])
       assert rejected is not None and rejected != chosen and int(rejected) >= 0, pair
       assert pair["rejected"].count("\n") == pair["chosen"].count("\n")
 

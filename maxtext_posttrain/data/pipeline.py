@@ -15,7 +15,6 @@ split gets counts and a fingerprint (sha256 of its tokens) for the run manifest.
 import dataclasses
 import functools
 import hashlib
-import re
 
 import grain.python as grain
 import jax
@@ -254,39 +253,3 @@ def make_sft_iterators(config, mesh):
   train_iterator = host_iterator(train_examples, batch, config, mesh, train=True)
   eval_iterator = host_iterator(eval_examples, batch, config, mesh, train=False) if eval_examples else None
   return train_iterator, eval_iterator, stats
-
-
-def load_eval_examples(config, n: int) -> list[dict]:
-  """The first `n` held-out examples in source order: prompt text (template applied), completion text, and the
-  prompt's token ids (with bos, without completion) for greedy decoding."""
-  encoder = Encoder.from_config(config)
-  source = sources.open_source(config, train=False)
-  prompt_column, completion_column = config.eval_data_columns
-  examples = []
-  for index in range(min(n, len(source))):
-    record = source[index]
-    examples.append(
-        {
-            "prompt_text": encoder.prompt_text(record[prompt_column]),
-            "completion_text": record[completion_column],
-            "prompt_ids": encoder.prompt_ids(record[prompt_column]),
-        }
-    )
-  return examples
-
-
-_ANSWER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def extract_answer(text: str) -> str | None:
-  """The number after the last `####` (GSM8K format), normalised: no commas or `$`, no trailing `.0`; None if absent."""
-  _, marker, tail = text.rpartition("####")
-  if not marker:
-    return None
-  match = _ANSWER.search(tail.replace(",", "").replace("$", ""))
-  if not match:
-    return None
-  number = match.group()
-  if "." in number:
-    number = number.rstrip("0").rstrip(".")
-  return "0" if number == "-0" else number

@@ -207,6 +207,7 @@ class GRPO(Objective):
     shaped = total + penalty
     if round_index == 0:
       metrics |= {f"rl/rewards/{name}": float(np.mean(scores)) for name, scores in per_function.items()}
+      metrics |= {f"rl/rewards/{name}_std": float(np.std(scores)) for name, scores in per_function.items()}
       metrics |= {
           "rl/rollout_seconds": rollout_seconds,
           "rl/reward_seconds": time.perf_counter() - start,
