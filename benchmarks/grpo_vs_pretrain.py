@@ -20,6 +20,8 @@ import time
 import jax
 from flax.linen import partitioning as nn_partitioning
 
+from maxtext.configs import pyconfig
+
 from benchmarks import harness
 from maxtext_posttrain import trainer
 
@@ -45,7 +47,11 @@ def main(argv):
       "grpo", "per_device_batch_size=1", "rl.num_generations=8", "max_prefill_predict_length=128", "rl.grpo_beta=0.04"
   )
   loop = trainer.setup(config)
-  p_pretrain_step = harness.jit_pretraining_step(loop)
+  # MaxText's step trains on its config's batch size of rows: B x G here, the rows of one GRPO step.
+  rows = config.global_batch_size_to_train_on * config.rl.num_generations
+  update = {"micro_batch_size_to_train_on": rows, "global_batch_size_to_train_on": rows}
+  pretrain_config = pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
+  p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
   times = {"rollout": [], "reward": [], "reference": [], "train": [], "pretrain": []}
 
   def grpo_step(state):

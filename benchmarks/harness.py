@@ -58,9 +58,11 @@ def parse(argv, default_config: str = "configs/sft.yml") -> Args:
   return Args(config_file, tuple(args), flags)
 
 
-def jit_pretraining_step(loop):
-  """MaxText's own pretraining `train_step`, jitted by MaxText with the loop's state shardings and donation."""
-  config = loop.config
+def jit_pretraining_step(loop, config=None):
+  """MaxText's own pretraining `train_step`, jitted by MaxText with the loop's state shardings and donation; `config`
+  (the loop's by default) sets its batch size, since MaxText's step trains on the first `micro_batch_size_to_train_on`
+  rows of a batch."""
+  config = config or loop.config
   params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.state_mesh_shardings)
   return train_utils.jit_train_step(
       config,
