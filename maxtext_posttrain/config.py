@@ -223,13 +223,12 @@ class PostTrainConfig(types.MaxTextConfig):
     unsupported = {
         "use_agentic_rollout": rl.use_agentic_rollout,
         "off_policy_steps": rl.off_policy_steps,
-        "use_rollout_logps=false": not rl.use_rollout_logps,
     }
     named = [key for key, on in unsupported.items() if on]
     if named:
       raise ValueError(
           f"{mode} does not support rl.{', rl.'.join(named)}: rollouts are sampled on the trainer's mesh right "
-          "before each step and their log-probs are the old policy's."
+          "before each step, by the policy being trained."
       )
     if rl.force_on_policy_ratio and rl.num_iterations > 1:
       raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")

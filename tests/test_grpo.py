@@ -107,13 +107,15 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   assert mask.sum() >= 8 and difference.max() < 1e-4, difference.max()
 
 
-def test_first_iteration_ratio_is_one_and_inner_iterations_reuse_the_rollouts(make_config, tmp_path):
-  """Sampler and trainer score tokens alike (ratio 1 at the first iteration on a batch); with num_iterations=2 the
-  second step trains on the same rollouts (ratio moves off 1) and draws no prompts."""
+@pytest.mark.parametrize("use_rollout_logps", [True, False])
+def test_first_iteration_ratio_is_one_and_inner_iterations_reuse_the_rollouts(make_config, tmp_path, use_rollout_logps):
+  """Old log-probs from the sampler, or recomputed by the trainer (MaxText's rl.use_rollout_logps=false), give ratio 1
+  at the first iteration on a batch; with num_iterations=2 the second step trains on the same rollouts (ratio moves
+  off 1) and draws no prompts."""
   metrics_file = tmp_path / "metrics.jsonl"
   config = make_config(
       *TINY, *CHARACTERS, "rl.num_iterations=2", "rl.grpo_beta=0.1", "learning_rate=1e-2", "steps=4", "eval_interval=0",
-      f"metrics_file={metrics_file}", config_file=GRPO,
+      f"rl.use_rollout_logps={str(use_rollout_logps).lower()}", f"metrics_file={metrics_file}", config_file=GRPO,
   )  # fmt: skip
   loop = trainer.setup(config)
   iterator_reads = []
@@ -177,3 +179,23 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_pat
   assert sorted(split) == sorted(full) == list(range(5))
   for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm"):
     np.testing.assert_allclose([split[s][key] for s in range(5)], [full[s][key] for s in range(5)], rtol=1e-5)
+
+
+def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
+  """GRPO with lora.enable_lora=true: rollouts sample the merged policy, the KL reference is the policy with its
+  adapters off (no second copy), only adapters train, and the reward still rises."""
+  config = make_config(
+      *TINY, *CHARACTERS, "lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "rl.grpo_beta=0.01",
+      "per_device_batch_size=4", "learning_rate=3e-2", "steps=30", "eval_interval=0",
+      f"metrics_file={tmp_path / 'metrics.jsonl'}", config_file=GRPO,
+  )  # fmt: skip
+  loop = trainer.setup(config)
+  assert loop.roles["reference"].follows_policy
+  frozen = lambda: jax.device_get(nnx.state(loop.policy(), nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict())
+  base = frozen()
+  trainer.train(loop)
+  jax.tree.map(np.testing.assert_array_equal, frozen(), base)
+  rows = _metrics(tmp_path / "metrics.jsonl")
+  rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
+  assert rows[0]["learning/kl"] < 1e-8 < rows[29]["learning/kl"]
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2, rewards

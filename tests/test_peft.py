@@ -176,8 +176,8 @@ def test_generation_eval_decodes_the_lora_policy_with_merged_weights(lora_run):
   continuation (float32 weights, so merging rounds nothing that could flip an argmax)."""
   loop = lora_run["loop"]
   loop.objective.evaluate(loop)  # generation eval runs on the LoRA policy
-  sampler, _, examples = loop.cache["greedy_eval"]
-  prompt = examples[0]["prompt_ids"]
+  sampler, _, prompt_set = loop.cache["greedy_eval"]
+  prompt = list(prompt_set.prompt_ids[0])
   decoded = sampler.generate(lora.policy_params(loop.policy(), loop.config), [prompt], 4, eos_id=-1)[0]
   tokens = list(prompt)
   for _ in range(4):  # the adapter model, recomputed on the growing sequence

@@ -134,10 +134,11 @@ def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(m
 
 
 def _preference_run(make_config, tmp_path, *overrides):
-  """(eval before, eval after) of a seeded preference run on the bundled pairs."""
+  """(eval before, eval after) of a seeded preference run on the bundled pairs (prompt + answer fit in 96 tokens)."""
   config = make_config(
       "enable_checkpointing=false",
       "eval_steps=8",
+      "max_target_length=96",
       f"metrics_file={tmp_path / 'metrics.jsonl'}",
       *overrides,
       config_file=DPO,
@@ -167,17 +168,18 @@ def test_reference_free_algorithms_raise_preference_accuracy(make_config, tmp_pa
 
 def test_precomputed_reference_logprobs_train_like_the_reference_model(make_config, tmp_path):
   """One scoring pass at setup gives the same steps as a reference forward per step."""
-  common = ("steps=3", "eval_interval=0", "enable_checkpointing=false")
+  common = ("steps=3", "eval_interval=0", "enable_checkpointing=false", "per_device_batch_size=4")
   losses = {}
   for precompute in ("false", "true"):
     metrics = tmp_path / f"{precompute}.jsonl"
-    config = make_config(
+    # 12 distinct training pairs (the identical pair is skipped), so the pass at setup scores 3 batches.
+    config = _jsonl_config(
+        make_config,
+        tmp_path,
+        [dict(pair, prompt=f"{pair['prompt']} ({i})") for i in range(4) for pair in PAIRS],
         *common,
         f"dpo.precompute_reference_logprobs={precompute}",
         f"metrics_file={metrics}",
-        "grain_train_files=arithmetic_preferences/easy",
-        "per_device_batch_size=4",
-        config_file=DPO,
     )
     loop, _ = run_utils.run(config)
     assert (loop.roles == {}) == (precompute == "true")

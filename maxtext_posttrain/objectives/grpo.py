@@ -20,12 +20,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from maxtext.utils import sharding as maxtext_sharding
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import evaluate as evaluate_lib
 from maxtext_posttrain import rewards as rewards_lib
+from maxtext_posttrain import roles
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
@@ -78,7 +80,8 @@ def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, enab
   return logprobs_lib.token_logprobs(logits, batch["targets"]), logits
 
 
-def reference_logps(model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
+def target_logps(model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
+  """[N, L] log-probs of the targets under a frozen model: the reference's, or the old policy's when recomputed."""
   return token_logps(model, batch, temperature)[0]
 
 
@@ -116,6 +119,7 @@ class GRPO(Objective):
     self.encoder = pipeline.Encoder.from_config(config)
     self.train_prompts = self.eval_prompts = None
     self._sampler = None
+    self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false
     self._batch = None  # the rollout batch of the current num_iterations cycle
     self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
 
@@ -138,7 +142,7 @@ class GRPO(Objective):
     return self._batch is None or loop.step % self.rl.num_iterations == 0
 
   def before_step(self, loop, batch):
-    if batch is None:  # another iteration on the cycle's rollouts; the old log-probs stay those of the sampler
+    if batch is None:  # another iteration on the cycle's rollouts; the old log-probs stay those of sampling time
       self.step_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
       return self._batch
     timer, metrics = time.perf_counter(), {"rl/iteration": 0.0}
@@ -165,10 +169,14 @@ class GRPO(Objective):
         "rl/reward_errors": float(sum(self.rewards.errors.values())),
     }
     batch = self._device_batch(loop, groups, masked)
+    temperature = jnp.float32(self.sampling.temperature)
+    if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the trainer scores the rollouts before the step
+      self._old_policy = self._old_policy or roles.FrozenModel(self.config, loop.mesh, None, None)
+      self._old_policy.graphdef, self._old_policy.state = nnx.split(loop.policy())
+      batch["old_logps"] = self._old_policy.run(target_logps, batch, temperature)
     if self.rl.grpo_beta > 0:
       start = time.perf_counter()
-      temperature = jnp.float32(self.sampling.temperature)
-      batch[REFERENCE_KEY] = jax.block_until_ready(loop.role("reference").run(reference_logps, batch, temperature))
+      batch[REFERENCE_KEY] = jax.block_until_ready(loop.role("reference").run(target_logps, batch, temperature))
       metrics["rl/reference_seconds"] = time.perf_counter() - start
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer
     self._batch = batch
