@@ -3,6 +3,7 @@
 import json
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
@@ -20,6 +21,9 @@ def read_metrics(metrics_file: str) -> tuple[dict[int, dict], dict[int, dict]]:
       if any(k.startswith("eval/") for k in row):
         evals[step] = row
   return train, evals
+
+
+_REWARD_WINDOW = 20
 
 
 def _is_accuracy(key: str) -> bool:
@@ -45,8 +49,15 @@ def plot_run(metrics_file: str, png_path: str) -> str:
   if reward_keys:
     for key in reward_keys:
       points = [s for s in steps if key in train[s]]
+      values = np.array([train[s][key] for s in points])
       label = "total reward" if key == "rl/reward_mean" else key.removeprefix("rl/rewards/")
-      left_ax.plot(points, [train[s][key] for s in points], label=label, linewidth=1)
+      (line,) = left_ax.plot(points, values, linewidth=0.6, alpha=0.35)
+      # A step's reward is a mean over a few prompts' samples: the moving average carries the trend.
+      window = min(_REWARD_WINDOW, len(values))
+      smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+      left_ax.plot(
+          points[window - 1 :], smooth, color=line.get_color(), linewidth=1.8, label=f"{label} ({window}-step mean)"
+      )
     left_ax.set(xlabel="step", ylabel="mean over the step's rollouts", title="Reward")
   else:
     left_ax.plot(steps, [train[s]["learning/loss"] for s in steps], label="train loss", linewidth=1)
