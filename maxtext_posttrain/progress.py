@@ -1,4 +1,4 @@
-"""Console progress for long runs: step, loss, tokens/s and ETA on one line."""
+"""Console progress for long runs: step, loss (and an objective's headline metrics), tokens/s and ETA on one line."""
 
 import time
 
@@ -25,8 +25,9 @@ class Progress:
   def elapsed(self) -> float:
     return time.perf_counter() - self.start_time
 
-  def report(self, step: int, loss: float) -> str:
-    """Logs and returns the progress line for `step` (the number of completed steps)."""
+  def report(self, step: int, loss: float, extra: dict[str, float] | None = None) -> str:
+    """Logs and returns the progress line for `step` (the number of completed steps); `extra` values follow the
+    loss by name."""
     now = time.perf_counter()
     if self.mark_time is None or step <= self.mark_step:
       rate_text, eta_text = "rate pending", "ETA pending"
@@ -36,7 +37,9 @@ class Progress:
       rate_text = f"{steps_per_second * self.tokens_per_step:,.0f} tokens/s"
       eta_text = f"ETA {format_seconds((self.total_steps - step) / steps_per_second)}"
     line = (
-        f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) loss {loss:.4f} | "
+        f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) loss {loss:.4f}"
+        + "".join(f" {name} {value:.4f}" for name, value in (extra or {}).items())
+        + " | "
         f"{rate_text} | elapsed {format_seconds(self.elapsed())} | {eta_text}"
     )
     max_logging.log(line)

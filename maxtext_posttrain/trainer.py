@@ -308,7 +308,7 @@ def train(loop: Loop) -> dict[str, Any]:
   summary = {"start_step": loop.start_step, "evals": {}}
   if eval_due and loop.step == 0:
     summary["evals"][0] = evaluate(loop, logger)
-  tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
+  tokens_per_step = config.global_batch_size_to_train_on * loop.objective.rows_per_example * config.max_target_length
   meter = progress.Progress(config.steps, loop.start_step, tokens_per_step)
   last_step_end = datetime.datetime.now()
   try:
@@ -331,7 +331,9 @@ def train(loop: Loop) -> dict[str, Any]:
         reached_target = 0 < results.get("eval/loss", float("inf")) <= config.target_eval_loss
       logger.buffer_and_write_metrics(metrics, step, step_time)
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
-        meter.report(loop.step, float(metrics["scalar"]["learning/loss"]))
+        scalars = metrics["scalar"]
+        extra = {label: float(scalars[key]) for label, key in loop.objective.progress_metrics.items() if key in scalars}
+        meter.report(loop.step, float(scalars["learning/loss"]), extra)
       if reached_target:
         max_logging.log(
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."

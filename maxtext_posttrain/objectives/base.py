@@ -45,11 +45,16 @@ class Objective(abc.ABC):
     roles: frozen models besides the trained policy that the objective reads (`reference`); the loop builds them
       (`maxtext_posttrain.roles`) and hooks reach them through `loop.role(name)`. May be set per instance.
     batch_keys: the arrays every batch carries; the loop checks batches against them.
+    rows_per_example: trained rows per row the data iterator yields (RL: the G completions of a prompt), for the
+      tokens/s of the progress line.
+    progress_metrics: {label: key of the step's scalar metrics} shown on the progress line after the loss.
   """
 
   name: ClassVar[str]
   roles: ClassVar[tuple[str, ...]] = ()
   batch_keys: ClassVar[tuple[str, ...]]
+  rows_per_example: int = 1
+  progress_metrics: ClassVar[dict[str, str]] = {}
 
   def __init__(self, config):
     self.config = config

@@ -104,10 +104,12 @@ class GRPO(Objective):
 
   name = "grpo"
   batch_keys = ROW_KEYS
+  progress_metrics = {"reward": "rl/reward_mean"}
 
   def __init__(self, config):
     super().__init__(config)
     self.rl = rl = config.rl
+    self.rows_per_example = rl.num_generations
     if rl.grpo_beta > 0:
       self.roles = ("reference",)
       self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)
