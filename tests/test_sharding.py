@@ -1,4 +1,4 @@
-"""The same SFT steps on 1 device and on 4 fake CPU devices (fsdp x tensor, and MaxText's pipeline) agree."""
+"""The same steps on 1 device and on 4 fake CPU devices agree: SFT (fsdp x tensor, and MaxText's pipeline) and GRPO."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import numpy as np
 
 from tests import paths
 from tests import multidevice_losses
+from tests import multidevice_rl
 
 STEPS = 3
 # Same global batch (16) everywhere, and one learning-rate schedule independent of `steps`.
@@ -40,3 +41,25 @@ def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_d
   assert results[1]["mesh"]["stage"] == 2
   for result in results:
     np.testing.assert_allclose(result["losses"], single["losses"], rtol=2e-5, err_msg=str(result["overrides"]))
+
+
+def test_rl_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
+  """GRPO on 4 fake devices (fsdp 2 x tensor 2; per_device_batch_size 1, the same 4 prompts): the sampler draws the
+  same completions (rewards equal), and losses and KL match the single device's."""
+  single = multidevice_rl.run(str(tmp_path), str(tfds_dir), [], "single")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
+  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+  completed = subprocess.run(
+      [sys.executable, str(paths.REPO / "tests" / "multidevice_rl.py"), str(tmp_path), str(tfds_dir), json.dumps(layout)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  assert completed.returncode == 0, completed.stderr[-4000:]
+  (sharded,) = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
+  assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
+  np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(sharded["kl"], single["kl"], rtol=1e-4, atol=1e-7)
