@@ -132,7 +132,9 @@ def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_d
   np.testing.assert_allclose(_logits(plain.policy(), batch), _logits(full_loop.policy(), batch), rtol=1e-4, atol=1e-4)
 
 
-def test_qlora_nf4_quantizes_the_base_and_reduces_the_loss(tmp_path, tfds_dir):
+def test_qlora_nf4_quantizes_the_base_reduces_the_loss_and_exports_the_dequantized_merge(tmp_path, tfds_dir):
+  """QLoRA trains adapters over nf4 codes; the export writes dequantized base + adapters as a plain checkpoint whose
+  logits, in MaxText without LoRA, are the QLoRA model's (within float32 rounding, 1e-4)."""
   metrics = tmp_path / "m.jsonl"
   config = _config(
       tmp_path,
@@ -140,7 +142,7 @@ def test_qlora_nf4_quantizes_the_base_and_reduces_the_loss(tmp_path, tfds_dir):
       *LORA,
       "lora.lora_weight_qtype=nf4",
       "steps=40",
-      "enable_checkpointing=false",
+      "async_checkpointing=false",
       f"metrics_file={metrics}",
   )
   loop, _ = run_utils.run(config)
@@ -148,6 +150,12 @@ def test_qlora_nf4_quantizes_the_base_and_reduces_the_loss(tmp_path, tfds_dir):
   assert "uint4" in dtypes, dtypes  # nf4 codes of the frozen kernels
   losses = run_utils.losses(metrics)
   assert np.mean([losses[s] for s in range(35, 40)]) < 0.7 * losses[0], losses
+  path = export.export(config, str(tmp_path / "merged"))
+  plain = trainer.setup(
+      _config(tmp_path, tfds_dir, "enable_checkpointing=false", f"load_parameters_path={path}", run_name="plain")
+  )
+  batch = plain.train_batches.load_next_batch()
+  np.testing.assert_allclose(_logits(plain.policy(), batch), _logits(loop.policy(), batch), rtol=1e-4, atol=1e-4)
 
 
 def test_qlora_int8_quantizes_the_base(tmp_path, tfds_dir):
