@@ -70,8 +70,37 @@ class Loop:
     return role.follow(self.policy()) if role.follows_policy else role
 
 
+def _accumulated_adapter_grads(objective, config, model, batch):
+  """(loss, weight, metric sums, adapter grads) accumulated over microbatches, for LoRA and QLoRA.
+
+  MaxText's accumulation differentiates every `nnx.Param`, which under LoRA is the frozen base too (under QLoRA its
+  integer codes, which have no gradient). This differentiates the adapters only, over the microbatches MaxText
+  forms (row r of the batch goes to microbatch r % steps), summing (total, weight, metrics, grads) and dividing by
+  the weight of the whole batch, as MaxText does. The model's RNG state is not advanced between microbatches.
+  """
+  steps = config.gradient_accumulation_steps
+  graphdef, params, rest = nnx.split(model, lora.trainable(config), ...)
+  data = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // steps, steps) + x.shape[1:]), 0, 1), batch)
+
+  def summed(params, microbatch):
+    out = objective.loss(nnx.merge(graphdef, params, rest, copy=True), microbatch, True)
+    return out.total, out
+
+  def accumulate(sums, microbatch):
+    (_, out), grads = jax.value_and_grad(summed, has_aux=True)(params, microbatch)
+    return jax.tree.map(jnp.add, sums, (grads, out)), None
+
+  out_shapes = jax.eval_shape(lambda m: summed(params, m)[1], jax.tree.map(lambda x: x[0], data))
+  zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes))
+  (grads, out), _ = jax.lax.scan(accumulate, zeros, data)
+  weight = jnp.maximum(out.weight, 1.0)
+  return out.total / weight, out.weight, out.metrics, jax.tree.map(lambda g: g / weight, grads)
+
+
 def _loss_and_grads(objective, config, model, params_shardings, batch):
   """(loss, weight, metric sums, raw grads) of the objective, with MaxText's gradient accumulation when enabled."""
+  if config.gradient_accumulation_steps > 1 and lora.enabled(config):
+    return _accumulated_adapter_grads(objective, config, model, batch)
   if config.gradient_accumulation_steps > 1:
 
     # MaxText's accumulation differentiates a summed loss, reading the sum and its weight from `xent_sum` and

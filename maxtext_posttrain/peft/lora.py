@@ -83,11 +83,6 @@ def validate_config(config) -> None:
         f"lora.lora_alpha must be > 0 (got {lora.lora_alpha}): adapter outputs are scaled by alpha / rank, so 0 "
         "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
     )
-  if config.gradient_accumulation_steps > 1:
-    raise ValueError(
-        "LoRA with gradient_accumulation_steps > 1 is not supported yet (MaxText's accumulation "
-        "differentiates every nnx.Param); raise per_device_batch_size instead."
-    )
   if lora.lora_weight_qtype and config.load_parameters_path:
     raise ValueError(
         "QLoRA over load_parameters_path is not supported yet: qwix quantizes the base at model "
