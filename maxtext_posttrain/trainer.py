@@ -21,6 +21,7 @@ from maxtext.common import checkpointing
 from maxtext.common import data_loader
 from maxtext.common import metric_logger
 from maxtext.common import train_state_nnx
+from maxtext.configs import pyconfig
 from maxtext.utils import gradient_accumulation
 from maxtext.utils import max_logging
 from maxtext.utils import max_utils
@@ -220,6 +221,12 @@ def _eval_data_sharding(config, mesh):
   return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
 
 
+def _without_load_parameters_path(config):
+  """A copy of `config` whose `load_parameters_path` is empty (skipping validation, as MaxText's own overrides do)."""
+  update = {"load_parameters_path": ""}
+  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
+
+
 def setup(config) -> Loop:
   """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
   check_supported(config)
@@ -239,13 +246,17 @@ def setup(config) -> Loop:
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
   checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=lora.enabled(config))
   data = objective.make_data(mesh)
+  # QLoRA's state holds quantized codes, which MaxText's loader cannot fill from a full-precision checkpoint:
+  # `lora.reload_base` quantizes the checkpoint's weights instead, at the start as on every resume.
+  quantized_base = lora.enabled(config) and bool(config.lora.lora_weight_qtype) and bool(config.load_parameters_path)
+  setup_config = _without_load_parameters_path(config) if quantized_base else config
   state, _, state_mesh_shardings, data.train, _ = maxtext_utils.setup_training_state(
-      data.train, config, mesh, checkpoint_manager, init_state_fn
+      data.train, setup_config, mesh, checkpoint_manager, init_state_fn
   )
   start_step = int(state.optimizer.step.get_value())
   train_utils.validate_completed_steps(start_step, config.steps)
-  if start_step > 0 and lora.enabled(config) and config.load_parameters_path:
-    state = lora.reload_base(state, config)
+  if (start_step > 0 or quantized_base) and lora.enabled(config) and config.load_parameters_path:
+    state = lora.reload_base(state, config, mesh)
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   data_sharding = sharding.get_input_data_sharding(config, mesh)

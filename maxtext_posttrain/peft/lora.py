@@ -18,6 +18,7 @@ from qwix._src.core import qarray
 from qwix._src.providers import ptq
 
 from maxtext.common import checkpointing
+from maxtext.utils import model_creation_utils
 from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
 
@@ -82,11 +83,6 @@ def validate_config(config) -> None:
     raise ValueError(
         f"lora.lora_alpha must be > 0 (got {lora.lora_alpha}): adapter outputs are scaled by alpha / rank, so 0 "
         "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
-    )
-  if lora.lora_weight_qtype and config.load_parameters_path:
-    raise ValueError(
-        "QLoRA over load_parameters_path is not supported yet: qwix quantizes the base at model "
-        "creation, before MaxText loads full-precision weights into it."
     )
   if lora.lora_restore_path:
     raise ValueError("lora.lora_restore_path is not supported by this loop yet; resume from the run directory.")
@@ -188,21 +184,28 @@ def policy_params(model: nnx.Module, config) -> nnx.State:
   )
 
 
-def reload_base(state: nnx.State, config) -> nnx.State:
+def reload_base(state: nnx.State, config, mesh=None) -> nnx.State:
   """`state` with its frozen base weights read again from `load_parameters_path`.
 
   An adapter checkpoint holds no base, and MaxText skips `load_parameters_path` once the run directory has a
   checkpoint, so without this a resumed LoRA run would train on a freshly initialised base instead of the one it
-  started from.
+  started from. Under QLoRA the checkpoint holds full-precision weights while the state holds qwix's quantized
+  codes: MaxText's loader builds the full-precision model from the checkpoint and qwix quantizes it exactly as at
+  model creation, so a QLoRA run always starts from (and resumes on) the quantized checkpoint.
   """
-  base = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base)
-  loaded = checkpointing.load_params_from_path(
-      config.load_parameters_path,
-      abstract,
-      config.checkpoint_storage_concurrent_gb,
-      use_ocdbt=config.checkpoint_storage_use_ocdbt,
-      use_zarr3=config.checkpoint_storage_use_zarr3,
-  )
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  base = state.model.filter(frozen)
+  if config.lora.lora_weight_qtype:
+    quantized = nnx.state(apply(model_creation_utils.from_pretrained(config, mesh), config), frozen)
+    loaded = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), quantized, base)
+  else:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base)
+    loaded = checkpointing.load_params_from_path(
+        config.load_parameters_path,
+        abstract,
+        config.checkpoint_storage_concurrent_gb,
+        use_ocdbt=config.checkpoint_storage_use_ocdbt,
+        use_zarr3=config.checkpoint_storage_use_zarr3,
+    )
   state["model"] = nnx.merge_state(state.model, loaded)
   return state
