@@ -20,14 +20,11 @@ LAYOUTS = [
 ]
 
 
-def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir):
-  single, _ = multidevice_losses.first_losses(
-      str(tmp_path), str(tfds_dir), STEPS, ["per_device_batch_size=16", *COMMON], "single"
-  )
+def _on_four_fake_devices(script: str, *args: str) -> list[dict]:
+  """The JSON lines `tests/<script>` prints when run in a subprocess with 4 fake CPU devices."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
   completed = subprocess.run(
-      [sys.executable, str(paths.REPO / "tests" / "multidevice_losses.py"), str(tmp_path), str(tfds_dir)]
-      + [str(STEPS), json.dumps(LAYOUTS)],
+      [sys.executable, str(paths.REPO / "tests" / script), *args],
       env=env,
       capture_output=True,
       text=True,
@@ -35,7 +32,14 @@ def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_d
       check=False,
   )
   assert completed.returncode == 0, completed.stderr[-4000:]
-  results = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+
+
+def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir):
+  single, _ = multidevice_losses.first_losses(
+      str(tmp_path), str(tfds_dir), STEPS, ["per_device_batch_size=16", *COMMON], "single"
+  )
+  results = _on_four_fake_devices("multidevice_losses.py", str(tmp_path), str(tfds_dir), str(STEPS), json.dumps(LAYOUTS))
   assert [r["overrides"] for r in results] == LAYOUTS
   assert results[0]["mesh"]["fsdp"] == 2 and results[0]["mesh"]["tensor"] == 2
   assert results[1]["mesh"]["stage"] == 2
@@ -47,18 +51,8 @@ def test_rl_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
   """GRPO on 4 fake devices (fsdp 2 x tensor 2; per_device_batch_size 1, the same 4 prompts): the sampler draws the
   same completions (rewards equal), and losses and KL match the single device's."""
   single = multidevice_rl.run(str(tmp_path), str(tfds_dir), [], "single")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
   layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
-  completed = subprocess.run(
-      [sys.executable, str(paths.REPO / "tests" / "multidevice_rl.py"), str(tmp_path), str(tfds_dir), json.dumps(layout)],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      check=False,
-  )
-  assert completed.returncode == 0, completed.stderr[-4000:]
-  (sharded,) = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  (sharded,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), json.dumps(layout))
   assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-4, atol=1e-7)
