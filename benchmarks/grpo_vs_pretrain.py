@@ -20,9 +20,8 @@ import time
 import jax
 from flax.linen import partitioning as nn_partitioning
 
-from maxtext.configs import pyconfig
-
 from benchmarks import harness
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import trainer
 
 
@@ -49,8 +48,9 @@ def main(argv):
   loop = trainer.setup(config)
   # MaxText's step trains on its config's batch size of rows: B x G here, the rows of one GRPO step.
   rows = config.global_batch_size_to_train_on * config.rl.num_generations
-  update = {"micro_batch_size_to_train_on": rows, "global_batch_size_to_train_on": rows}
-  pretrain_config = pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
+  pretrain_config = config_lib.with_overrides(
+      config, micro_batch_size_to_train_on=rows, global_batch_size_to_train_on=rows
+  )
   p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
   times = {"rollout": [], "reward": [], "reference": [], "train": [], "pretrain": []}
 

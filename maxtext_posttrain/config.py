@@ -244,6 +244,12 @@ class PostTrainConfig(types.MaxTextConfig):
       )
 
 
+def with_overrides(config: pyconfig.HyperParameters, **update) -> pyconfig.HyperParameters:
+  """A copy of `config` with `update` applied, skipping validation as MaxText's own config overrides do (e.g. its
+  `verify_and_sync_scan_layers`): for derived variants of a validated run config, such as a decode cache size."""
+  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
+
+
 def preference(config) -> Preference:
   """The typed `dpo.*` section (MaxText's HyperParameters hands nested sections other than lora/rl/debug out as
   plain dicts)."""

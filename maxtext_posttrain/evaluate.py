@@ -79,16 +79,16 @@ def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[i
     per_prompt["format_accuracy"].append(np.mean(math_rewards.format([""] * n, list(group), golds)))
     per_prompt["partial_accuracy"].append(np.mean([s > 0 for s in math_rewards.partial([""] * n, list(group), golds)]))
     stated = [math_rewards.extract_final_answer(text) for text in group]
+    gold = math_rewards.gold_answer(answer)
     for k in ks:
       per_prompt[f"pass_at_{k}"].append(pass_at_k(n, int(sum(correct)), k))
       majority = majority_answer(stated[:k])
-      gold = math_rewards.gold_answer(answer)
       per_prompt[f"maj_at_{k}"].append(float(majority is not None and math_rewards.answers_equal(majority, gold)))
   return {name: float(np.mean(values)) for name, values in per_prompt.items()}
 
 
 def sample_texts(
-    sampler: rollout.Sampler, params: nnx.State, prompt_set: prompts_lib.PromptSet, config, eos_id: int, decode
+    sampler: rollout.Sampler, params: nnx.State, prompt_set: prompts_lib.PromptSet, config, encoder: pipeline.Encoder
 ) -> list[list[str]]:
   """`eval_samples_per_prompt` completions of every prompt, decoded, in chunks of the training batch's prompt count
   (the last chunk padded with repeats), so every chunk runs the same compiled decode program."""
@@ -103,12 +103,12 @@ def sample_texts(
         params,
         [list(prompt_set.prompt_ids[i]) for i in indices],
         max_new_tokens,
-        eos_id,
+        encoder.tokenizer.eos_id,
         jax.random.fold_in(rng, start),
         sampling,
         num_samples=n,
     )
-    completions = [decode(tokens) for tokens in out.completions()]
+    completions = [encoder.decode_completion(tokens) for tokens in out.completions()]
     count = min(chunk, len(prompt_set) - start)
     texts += [completions[p * n : (p + 1) * n] for p in range(count)]
   return texts
@@ -116,10 +116,7 @@ def sample_texts(
 
 def evaluate(sampler, params, prompt_set, config, encoder: pipeline.Encoder) -> tuple[dict[str, float], list[dict]]:
   """(metrics, samples): the module doc's metrics of `params` on `prompt_set`, and each prompt's completions."""
-  eos_id = encoder.tokenizer.eos_id
-  texts = sample_texts(
-      sampler, params, prompt_set, config, eos_id, lambda ids: encoder.tokenizer.decode([t for t in ids if t != eos_id])
-  )
+  texts = sample_texts(sampler, params, prompt_set, config, encoder)
   metrics = score(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
   samples = [
       {"prompt": prompt, "answer": answer, "completions": group}

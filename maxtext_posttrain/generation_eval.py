@@ -30,7 +30,7 @@ def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
   outputs = sampler.generate(
       lora.policy_params(loop.policy(), config), [list(ids) for ids in prompt_set.prompt_ids], max_new_tokens, eos_id
   )
-  texts = [encoder.tokenizer.decode([t for t in ids if t != eos_id]) for ids in outputs]
+  texts = [encoder.decode_completion(ids) for ids in outputs]
   answers = [math_rewards.extract_final_answer(text) for text in texts]
   correct = math_rewards.correctness(list(prompt_set.prompt_texts), texts, list(prompt_set.answers))
   loop.cache["generations"] = [

@@ -58,7 +58,7 @@ def main(argv: Sequence[str]) -> None:
   for i, tokens in enumerate(rollouts.completions()):
     row = {
         "sample": i,
-        "text": encoder.tokenizer.decode([t for t in tokens if t != eos_id]),
+        "text": encoder.decode_completion(tokens),
         "num_tokens": int(rollouts.lengths[i]),
         "finish_reason": rollouts.finish_reasons[i],
         "logprob": float(rollouts.logprobs[i].sum()),

@@ -21,7 +21,6 @@ from maxtext.common import checkpointing
 from maxtext.common import data_loader
 from maxtext.common import metric_logger
 from maxtext.common import train_state_nnx
-from maxtext.configs import pyconfig
 from maxtext.utils import gradient_accumulation
 from maxtext.utils import max_logging
 from maxtext.utils import max_utils
@@ -31,6 +30,7 @@ from maxtext.utils import sharding
 from maxtext.utils import train_utils
 
 from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import manifest
 from maxtext_posttrain import objectives
 from maxtext_posttrain import progress
@@ -221,12 +221,6 @@ def _eval_data_sharding(config, mesh):
   return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
 
 
-def _without_load_parameters_path(config):
-  """A copy of `config` whose `load_parameters_path` is empty (skipping validation, as MaxText's own overrides do)."""
-  update = {"load_parameters_path": ""}
-  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
-
-
 def setup(config) -> Loop:
   """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
   check_supported(config)
@@ -249,7 +243,7 @@ def setup(config) -> Loop:
   # QLoRA's state holds quantized codes, which MaxText's loader cannot fill from a full-precision checkpoint:
   # `lora.reload_base` quantizes the checkpoint's weights instead, at the start as on every resume.
   quantized_base = lora.enabled(config) and bool(config.lora.lora_weight_qtype) and bool(config.load_parameters_path)
-  setup_config = _without_load_parameters_path(config) if quantized_base else config
+  setup_config = config_lib.with_overrides(config, load_parameters_path="") if quantized_base else config
   state, _, state_mesh_shardings, data.train, _ = maxtext_utils.setup_training_state(
       data.train, setup_config, mesh, checkpoint_manager, init_state_fn
   )

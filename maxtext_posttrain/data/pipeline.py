@@ -97,6 +97,10 @@ class Encoder:
   def completion_ids(self, completion: str) -> list[int]:
     return list(self.tokenizer.encode(completion)) + ([self.eos_id] if self.eos_id is not None else [])
 
+  def decode_completion(self, ids) -> str:
+    """The text of generated tokens, without the EOS token that ended them."""
+    return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_id])
+
 
 def _mask_prompt(prompt_ids, completion_ids, config, pad_id):
   """(inputs, targets) as MaxText's SFTPromptMasking builds them, truncated to max_target_length."""

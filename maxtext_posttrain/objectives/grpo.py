@@ -205,9 +205,8 @@ class GRPO(Objective):
         num_samples=group_size,
     )
     rollout_seconds = time.perf_counter() - start
-    eos_id = self.encoder.tokenizer.eos_id
     completions = out.completions()
-    texts = [self.encoder.tokenizer.decode([t for t in c if t != eos_id]) for c in completions]
+    texts = [self.encoder.decode_completion(c) for c in completions]
     start = time.perf_counter()
     rows = [i for i in indices for _ in range(group_size)]
     total, per_function = self.rewards.score(

@@ -40,6 +40,7 @@ from maxtext.configs import pyconfig
 from maxtext.inference import inference_utils
 from maxtext.utils import max_logging
 from maxtext.utils import model_creation_utils
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 
 # Fills the prompt tail and the positions after EOS; never attended to (segment id 0) nor returned.
@@ -73,13 +74,13 @@ def _decode_config(
   unscanned decode graph is only used when its params line up with the policy's). The copy skips validation on purpose, as MaxText's own `verify_and_sync_scan_layers` does for its
   config override.
   """
-  update = {
-      "max_prefill_predict_length": prefill_length,
-      "max_target_length": prefill_length + max_new_tokens,
-      "micro_batch_size_to_train_on": batch,
-      "scan_layers": scan_layers,
-  }
-  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
+  return config_lib.with_overrides(
+      config,
+      max_prefill_predict_length=prefill_length,
+      max_target_length=prefill_length + max_new_tokens,
+      micro_batch_size_to_train_on=batch,
+      scan_layers=scan_layers,
+  )
 
 
 def _batch_multiple(config: pyconfig.HyperParameters, mesh: jax.sharding.Mesh) -> int:
