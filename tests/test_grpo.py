@@ -105,6 +105,15 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   mask = np.asarray(batch["completion_mask"]) != 0
   difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
   assert mask.sum() >= 8 and difference.max() < 1e-4, difference.max()
+  # rl.force_on_policy_ratio=true pins the ratio to 1 whatever old log-probs the batch carries.
+  forced = config_lib.with_overrides(config, rl=config.rl.model_copy(update={"force_on_policy_ratio": True}))
+  stale = batch | {"old_logps": batch["old_logps"] - 1.0}
+  for objective, expected_ratio in ((loop.objective, np.e), (grpo.GRPO(forced), 1.0)):
+    with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+      out = jax.jit(lambda state, b, o=objective: o.loss(nnx.merge(loop.graphdef, state).model, b, False))(
+          loop.state, stale
+      )
+    np.testing.assert_allclose(float(out.metrics["ratio_mean"] / out.weight), expected_ratio, rtol=1e-4)
 
 
 @pytest.mark.parametrize("use_rollout_logps", [True, False])
