@@ -3,10 +3,11 @@
 Auto-resume restores whatever the run directory holds. If the model keys changed since (another width, depth or
 vocabulary), orbax would fail deep inside a restore, or a params-only overlay could silently keep fresh weights.
 Comparing the stored parameter shapes with the model's abstract state first gives one clear error and leaves the
-directory untouched.
+directory untouched. Adapters restored from another run (`lora.lora_restore_path`) are checked the same way.
 """
 
 import jax
+from etils import epath
 from orbax.checkpoint import v1 as ocp
 
 from maxtext.common import checkpointing
@@ -22,7 +23,10 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
 
 def mismatches(stored_params, expected_params) -> list[str]:
   """Human-readable differences between two parameter trees of shaped leaves."""
-  stored, expected = _shapes(stored_params), _shapes(expected_params)
+  return _compare(_shapes(stored_params), _shapes(expected_params))
+
+
+def _compare(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
   problems = [f"{k}: missing from the checkpoint (model has {expected[k]})" for k in expected if k not in stored]
   problems += [f"{k}: in the checkpoint {stored[k]} but not in the model" for k in stored if k not in expected]
   problems += [
@@ -51,13 +55,34 @@ def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = F
   if adapters_only:
     expected = checkpointing._filter_lora_trainable_state(expected) or {}  # pylint: disable=protected-access
   expected = expected.get("params", {})
-  problems = mismatches(stored, expected)
+  _raise_on_mismatches(
+      f"The checkpoint at {directory} (step {step})",
+      mismatches(stored, expected),
+      "Nothing was loaded or overwritten. Use a new run_name/base_output_directory for this model, "
+      "or restore the model keys the checkpoint was written with.",
+  )
+
+
+def check_adapter_source(path: str, adapters) -> None:
+  """Raises ValueError unless the checkpoint at `path` holds exactly the adapters of `adapters` (the model's
+  `nnx.LoRAParam` state): same modules, same shapes. Orbax's partial restore would otherwise load a subset of
+  stored adapters without a word, or leave a targeted module at its fresh initialisation."""
+  stored = ocp.metadata(epath.Path(path.rstrip("/").removesuffix("/items"))).metadata.get("params", {})
+  stored_adapters = {k: v for k, v in _shapes(stored).items() if "_lora_" in k}
+  if not stored_adapters:
+    raise ValueError(
+        f"lora.lora_restore_path={path} holds no LoRA adapters; a full checkpoint is read with load_parameters_path."
+    )
+  expected = {f"params/{k}": v for k, v in _shapes(adapters.to_pure_dict()).items()}
+  _raise_on_mismatches(
+      f"The adapters at lora.lora_restore_path={path}",
+      _compare(stored_adapters, expected),
+      "Set the lora.* keys (lora_module_path, lora_rank) and model keys the adapters were trained with.",
+  )
+
+
+def _raise_on_mismatches(source: str, problems: list[str], advice: str) -> None:
   if problems:
     listed = "\n  ".join(problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-    raise ValueError(
-        f"The checkpoint at {directory} (step {step}) was written for a different model than this config builds:\n"
-        f"  {listed}{more}\n"
-        "Nothing was loaded or overwritten. Use a new run_name/base_output_directory for this model, "
-        "or restore the model keys the checkpoint was written with."
-    )
+    raise ValueError(f"{source} were written for a different model than this config builds:\n  {listed}{more}\n{advice}")

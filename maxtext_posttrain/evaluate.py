@@ -1,6 +1,7 @@
 """Sampled evaluation on held-out prompts: pass@1, unbiased pass@k, maj@k, format and partial accuracy.
 
   python -m maxtext_posttrain.evaluate <config.yml> load_parameters_path=<params> [key=value ...]
+  python -m maxtext_posttrain.evaluate configs/sft_lora.yml lora.lora_restore_path=<adapter checkpoint> [...]
 
 Each of the first `eval_generation_examples` held-out prompts (all of them when 0) gets `eval_samples_per_prompt`
 completions, sampled with MaxText's `decode_sampling_*` keys by the rollout sampler (MaxText's KV-cache decode
@@ -31,11 +32,11 @@ from flax import nnx
 
 from maxtext.utils import max_logging
 from maxtext.utils import maxtext_utils
-from maxtext.utils import model_creation_utils
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
+from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import math as math_rewards
 
 matplotlib.use("Agg")
@@ -141,10 +142,12 @@ def plot(metrics: dict[str, float], png_path: str, title: str) -> str:
 def main(argv: Sequence[str]) -> None:
   config = posttrain_config.initialize(list(argv))
   mesh = maxtext_utils.get_mesh_from_config(config)
-  model = model_creation_utils.from_pretrained(config, mesh)  # loads load_parameters_path when set
+  model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
   prompt_set = prompts_lib.load(config, train=False, limit=config.eval_generation_examples or None, encoder=encoder)
-  metrics, samples = evaluate(rollout.Sampler(config, mesh), nnx.state(model, nnx.Param), prompt_set, config, encoder)
+  metrics, samples = evaluate(
+      rollout.Sampler(config, mesh), lora.policy_params(model, config), prompt_set, config, encoder
+  )
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   os.makedirs(out_dir, exist_ok=True)
   report = {

@@ -3,8 +3,8 @@
 A role is the starting policy, frozen: built with MaxText's own model creation under the policy's mesh and logical
 axis rules, from `load_parameters_path` when it is set and otherwise from the same seeded initialisation as the
 policy, so at step 0 reference and policy agree exactly, and a resumed run gets the same reference as the run it
-continues. Under LoRA no copy is made at all: the base weights are frozen, so the policy with its adapters zeroed
-*is* the starting policy.
+continues. Under LoRA no copy is made at all: the base weights are frozen, so the policy with its starting adapters
+(zeros, or those of `lora.lora_restore_path`) *is* the starting policy.
 
 Objectives run pure functions of a role (per-sequence log-probs of a batch, say) from their host hooks, each compiled
 once under jit. The train step therefore never carries a second model's weights, the reference pass can be timed on
@@ -19,7 +19,6 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.utils import max_logging
-from maxtext.utils import model_creation_utils
 from maxtext_posttrain.peft import lora
 
 ROLES = ("reference",)
@@ -29,8 +28,8 @@ ROLES = ("reference",)
 class FrozenModel:
   """A MaxText model's graph and weights, with the config and mesh it runs under.
 
-  `follows_policy` marks the LoRA reference: its weights are the policy's, adapters zeroed, taken afresh by
-  `follow` before each use, because the train step donates (and so invalidates) the previous step's arrays.
+  `follows_policy` marks the LoRA reference: its weights are the policy's with the starting adapters, taken afresh
+  by `follow` before each use, because the train step donates (and so invalidates) the previous step's arrays.
   """
 
   config: Any
@@ -38,6 +37,7 @@ class FrozenModel:
   graphdef: nnx.GraphDef | None
   state: nnx.State | None
   follows_policy: bool = False
+  _start_adapters: nnx.State | None = dataclasses.field(default=None, repr=False)
   _compiled: dict[Callable, Callable] = dataclasses.field(default_factory=dict, repr=False)
 
   def run(self, fn: Callable, *args):
@@ -48,9 +48,12 @@ class FrozenModel:
       return self._compiled[fn](self.state, *args)
 
   def follow(self, policy: nnx.Module) -> "FrozenModel":
-    """Takes the LoRA `policy`'s current weights with zero adapters: its frozen base alone, the starting policy."""
+    """Takes the LoRA `policy`'s current frozen base with the adapters it started from: the starting policy. The
+    starting adapters are read once and kept apart from the train state (whose arrays the step donates)."""
     self.graphdef, state = nnx.split(policy)
-    self.state = nnx.merge_state(state, jax.tree.map(lambda x: x * 0, state.filter(nnx.LoRAParam)))
+    if self._start_adapters is None:
+      self._start_adapters = lora.starting_adapters(state.filter(nnx.LoRAParam), self.config)
+    self.state = nnx.merge_state(state, self._start_adapters)
     return self
 
 
@@ -69,6 +72,8 @@ def build(role: str, config, mesh, copy: bool = False) -> FrozenModel:
     max_logging.log(f"Role {role}: the policy with its LoRA adapters zeroed (no second copy of the weights).")
     return FrozenModel(config, mesh, None, None, follows_policy=True)
   source = config.load_parameters_path or f"the seeded initialisation (init_weights_seed={config.init_weights_seed})"
+  if lora.enabled(config) and config.lora.lora_restore_path:
+    source += f" with the adapters of {config.lora.lora_restore_path}"
   max_logging.log(f"Role {role}: a frozen copy of the starting policy from {source}.")
-  graphdef, state = nnx.split(model_creation_utils.from_pretrained(config, mesh=mesh))
+  graphdef, state = nnx.split(lora.pretrained_model(config, mesh))
   return FrozenModel(config, mesh, graphdef, state)

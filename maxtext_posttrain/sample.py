@@ -3,7 +3,8 @@
   python -m maxtext_posttrain.sample <config.yml> prompt="..." num_samples=4 [load_parameters_path=...] [key=value ...]
 
 MaxText's keys keep their meaning: `prompt` (formatted with `prompt_template`, tokenized with the config's
-tokenizer), `load_parameters_path` (params of an orbax checkpoint; random weights when unset),
+tokenizer), `load_parameters_path` (params of an orbax checkpoint; random weights when unset; with
+`lora.enable_lora=true` and `lora.lora_restore_path`, the adapters of a LoRA run on top),
 `decode_sampling_strategy` / `_temperature` / `_top_k` / `_nucleus_p`, and the decode budget
 `max_target_length - max_prefill_predict_length`. Two arguments are this command's own, because MaxText's config
 has no per-prompt sample count (its `rl.num_generations` exists only in its RL config, `multi_sampling` is a switch)
@@ -15,14 +16,13 @@ from typing import Sequence
 
 from absl import app
 import jax
-from flax import nnx
 
 from maxtext.utils import maxtext_utils
-from maxtext.utils import model_creation_utils
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.peft import lora
 
 _OWN_ARGS = {"num_samples": 1, "seed": 0}
 
@@ -43,12 +43,12 @@ def main(argv: Sequence[str]) -> None:
   argv, own = _split_args(argv)
   config = posttrain_config.initialize(list(argv))
   mesh = maxtext_utils.get_mesh_from_config(config)
-  model = model_creation_utils.from_pretrained(config, mesh)  # loads load_parameters_path when set
+  model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
   sampler = rollout.Sampler(config, mesh)
   eos_id = encoder.tokenizer.eos_id
   rollouts = sampler.sample(
-      nnx.state(model, nnx.Param),
+      lora.policy_params(model, config),
       [encoder.prompt_ids(config.prompt)],
       config.max_target_length - config.max_prefill_predict_length,
       eos_id,

@@ -251,6 +251,11 @@ def setup(config) -> Loop:
   train_utils.validate_completed_steps(start_step, config.steps)
   if (start_step > 0 or quantized_base) and lora.enabled(config) and config.load_parameters_path:
     state = lora.reload_base(state, config, mesh)
+  if config.lora.lora_restore_path:  # as in MaxText: read by a fresh run, ignored by a resumed one
+    if start_step == 0:
+      state = lora.restore_adapters(state, config)
+    else:
+      max_logging.log(f"Resuming at step {start_step}: lora.lora_restore_path is not read, the run's adapters are.")
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   data_sharding = sharding.get_input_data_sharding(config, mesh)

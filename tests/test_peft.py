@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from maxtext.utils import maxtext_utils
 from maxtext.utils import model_creation_utils
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
@@ -134,6 +135,67 @@ def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_d
   np.testing.assert_allclose(_logits(plain.policy(), batch), _logits(full_loop.policy(), batch), rtol=1e-4, atol=1e-4)
 
 
+def _checkpoint(run_dir) -> str:
+  steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
+  return str(run_dir / "checkpoints" / str(max(steps)) / "items")
+
+
+def test_lora_restore_path_starts_a_fresh_run_from_stored_adapters_and_a_resume_ignores_it(lora_run, tfds_dir):
+  """A fresh run reads the adapters (not the optimizer state) of `lora.lora_restore_path` and so starts at the
+  source's trained loss level; once the run directory has a checkpoint, resuming reads that instead (MaxText's
+  meaning of the key)."""
+  tmp, source = lora_run["tmp"], _adapters(lora_run["loop"].policy())
+  metrics = tmp / "restored.jsonl"
+  common = (*LORA, f"lora.lora_restore_path={_checkpoint(tmp / 'run')}", "async_checkpointing=false")
+  loop = trainer.setup(_config(tmp, tfds_dir, *common, "steps=2", f"metrics_file={metrics}", run_name="restored"))
+  assert loop.step == 0
+  jax.tree.map(np.testing.assert_array_equal, _adapters(loop.policy()), source)
+  mu = jax.tree.leaves(loop.state.optimizer.opt_state[0].mu.to_pure_dict())
+  assert mu and not any(np.any(np.asarray(m)) for m in mu)  # a fresh optimizer
+  trainer.train(loop)
+  assert run_utils.losses(metrics)[0] < 0.6 * lora_run["losses"][0]  # trained level, not a random model's 6.2
+  trained = _adapters(loop.policy())
+  resumed = trainer.setup(_config(tmp, tfds_dir, *common, "steps=4", run_name="restored"))
+  assert resumed.step == 2
+  jax.tree.map(np.testing.assert_array_equal, _adapters(resumed.policy()), trained)
+  assert not np.array_equal(jax.tree.leaves(trained)[0], jax.tree.leaves(source)[0])
+
+
+def test_evaluate_and_sample_decode_the_restored_adapters(lora_run, tfds_dir):
+  """The evaluate and sample commands build their model with `lora.pretrained_model`: under `lora.lora_restore_path`
+  they decode the adapter run's merged weights, not the base."""
+  restore = f"lora.lora_restore_path={_checkpoint(lora_run['tmp'] / 'run')}"
+  config = _config(lora_run["tmp"], tfds_dir, *LORA, restore, "enable_checkpointing=false", run_name="decode")
+  decoded = lora.policy_params(lora.pretrained_model(config, maxtext_utils.get_mesh_from_config(config)), config)
+  trained = lora.policy_params(lora_run["loop"].policy(), lora_run["config"])
+  jax.tree.map(np.testing.assert_array_equal, decoded.to_pure_dict(), trained.to_pure_dict())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("lora.lora_rank=4", "lora.lora_alpha=8"), r"other settings: lora_rank=8 there, 4 here; lora_alpha=16.0"),
+        (
+            ("lora.lora_module_path=decoder/layers/self_attention/(query|key|value|out)",),
+            r"different model .*\n  params/decoder/layers/mlp/wi_0/kernel_lora_a: in the checkpoint \(128, 2, 8\) but not",
+        ),
+        (("base_emb_dim=64",), r"different model .*\n  params/decoder/layers/mlp/wi_0/kernel_lora_a: checkpoint \(128,"),
+    ],
+)
+def test_lora_restore_path_of_other_adapters_is_refused(lora_run, tfds_dir, overrides, message):
+  tmp = lora_run["tmp"]
+  restore = f"lora.lora_restore_path={_checkpoint(tmp / 'run')}"
+  config = _config(tmp, tfds_dir, *LORA, restore, "enable_checkpointing=false", *overrides, run_name="refused")
+  with pytest.raises(ValueError, match=message):
+    trainer.setup(config)
+
+
+def test_lora_restore_path_of_a_full_checkpoint_is_refused(tmp_path, tfds_dir, sft_checkpoint):
+  config = _config(tmp_path, tfds_dir, *LORA, f"lora.lora_restore_path={sft_checkpoint}", "enable_checkpointing=false")
+  with pytest.raises(ValueError, match="holds no LoRA adapters; a full checkpoint is read with load_parameters_path"):
+    trainer.setup(config)
+
+
 def test_qlora_nf4_quantizes_the_base_reduces_the_loss_and_exports_the_dequantized_merge(tmp_path, tfds_dir):
   """QLoRA trains adapters over nf4 codes; the export writes dequantized base + adapters as a plain checkpoint whose
   logits, in MaxText without LoRA, are the QLoRA model's (within float32 rounding, 1e-4)."""
@@ -173,6 +235,8 @@ def test_qlora_int8_quantizes_the_base(tmp_path, tfds_dir):
         (("lora.lora_module_path=decoder/layers/nonexistent",), r"matches no module .*decoder/layers/mlp/wi_0"),
         (("lora.lora_rank=0",), r"lora_rank must be > 0"),
         (("lora.lora_rank=200",), r"lora_rank=200 exceeds the width 128 of decoder/layers/"),
+        (("lora.lora_restore_path=/nonexistent/3/items",), r"lora_restore_path=/nonexistent/3/items does not exist"),
+        (("lora.enable_lora=false", "lora.lora_restore_path=/x"), r"lora_restore_path=/x is set but lora.enable_lora"),
     ],
 )
 def test_bad_lora_settings_fail_at_setup(tmp_path, tfds_dir, overrides, message):

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
@@ -186,6 +187,29 @@ def test_precomputed_reference_logprobs_train_like_the_reference_model(make_conf
     losses[precompute] = run_utils.losses(metrics)
   np.testing.assert_allclose(list(losses["true"].values()), list(losses["false"].values()), rtol=1e-5)
   assert not np.allclose(list(losses["true"].values()), np.log(2.0))  # the policy did move
+
+
+def test_lora_reference_over_restored_adapters_is_the_starting_policy(make_config, tmp_path):
+  """DPO from SFT adapters (`lora.lora_restore_path`): the reference is base + those adapters, followed or as a
+  precomputing copy, so the first loss is exactly log 2 (the base alone as reference would not give it)."""
+  lora_keys = ("lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8.0")
+  sft = make_config(*lora_keys, "steps=3", "learning_rate=1e-2", "eval_interval=0", "async_checkpointing=false",
+                    run_name="sft")  # fmt: skip
+  sft_loop, _ = run_utils.run(sft)
+  restore = f"lora.lora_restore_path={tmp_path / 'sft' / 'checkpoints' / '2' / 'items'}"
+  rows = [dict(pair, prompt=f"{pair['prompt']} ({i})") for i in range(4) for pair in PAIRS]
+  for precompute in ("false", "true"):
+    metrics = tmp_path / f"{precompute}.jsonl"
+    config = _jsonl_config(
+        make_config, tmp_path, rows, *lora_keys, restore, "steps=1", "eval_interval=0", "enable_checkpointing=false",
+        f"metrics_file={metrics}", f"dpo.precompute_reference_logprobs={precompute}",
+    )  # fmt: skip
+    loop, _ = run_utils.run(config)
+    np.testing.assert_allclose(run_utils.losses(metrics)[0], np.log(2.0), rtol=1e-5)
+    if precompute == "false":
+      reference = jax.device_get(loop.role("reference").state.filter(nnx.LoRAParam).to_pure_dict())
+      trained = jax.device_get(nnx.state(sft_loop.policy(), nnx.LoRAParam).to_pure_dict())
+      jax.tree.map(np.testing.assert_array_equal, reference, trained)
 
 
 def test_lora_reference_is_the_policy_with_adapters_off(make_config, tmp_path):

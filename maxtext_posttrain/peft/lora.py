@@ -6,13 +6,17 @@ builds its optimizer over `nnx.LoRAParam`. The loop calls `apply` inside its sta
 `trainable(config)`, so every objective (SFT, DPO, RL, distillation) gets adapters without knowing about them.
 What this module adds is what MaxText leaves to a failed trace or a silent no-op: a target regex that matches no
 module, a rank that is not below the layer width, an alpha that scales the adapters to zero, and the merge of
-trained adapters back into full weights (`merged_params`), which `export` writes as a MaxText checkpoint.
+trained adapters back into full weights (`merged_params`), which `export` writes as a MaxText checkpoint. It also
+gives `lora.lora_restore_path` a checked meaning across the loop, the reference role and the decode commands:
+MaxText's own restore matches stored adapters by path and skips what it does not find, so adapters of other target
+modules would load partly or not at all without an error.
 """
 
 import re
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 from flax import nnx
 from qwix._src.core import qarray
 from qwix._src.providers import ptq
@@ -21,6 +25,8 @@ from maxtext.common import checkpointing
 from maxtext.utils import model_creation_utils
 from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
+
+from maxtext_posttrain import checkpoint_guard
 
 _LISTED = 8
 # Roles whose weights are trained; frozen roles (reference, teacher) never carry adapters.
@@ -71,9 +77,11 @@ def module_path_regex(config) -> str:
 
 def validate_config(config) -> None:
   """Raises ValueError for `lora.*` settings that would train nothing or that the loop cannot honour."""
-  if not config.lora.enable_lora:
-    return
   lora = config.lora
+  if lora.lora_restore_path and not lora.enable_lora:
+    raise ValueError(f"lora.lora_restore_path={lora.lora_restore_path} is set but lora.enable_lora is false.")
+  if not lora.enable_lora:
+    return
   unknown = sorted(set(config.lora_roles) - set(TRAINED_ROLES))
   if unknown:
     raise ValueError(f"lora_roles {unknown}: adapters apply to trained roles only, one of {list(TRAINED_ROLES)}.")
@@ -85,7 +93,26 @@ def validate_config(config) -> None:
         "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
     )
   if lora.lora_restore_path:
-    raise ValueError("lora.lora_restore_path is not supported by this loop yet; resume from the run directory.")
+    _check_restore_metadata(config)
+
+
+def _check_restore_metadata(config) -> None:
+  """The adapters at `lora.lora_restore_path` exist and were trained with this config's rank and alpha (read from
+  the `lora` metadata MaxText's checkpoint save records); alpha leaves no trace in the shapes checked later."""
+  path = config.lora.lora_restore_path
+  if not epath.Path(path).exists():
+    raise ValueError(f"lora.lora_restore_path={path} does not exist.")
+  stored = checkpointing.load_checkpoint_metadata(path).get("lora") or {}
+  differ = [
+      f"{key}={stored[key]} there, {getattr(config.lora, key)} here"
+      for key in ("lora_rank", "lora_alpha")
+      if key in stored and stored[key] != getattr(config.lora, key)
+  ]
+  if differ:
+    raise ValueError(
+        f"lora.lora_restore_path={path} holds adapters trained with other settings: {'; '.join(differ)}. "
+        "Set lora.lora_rank and lora.lora_alpha to the adapters' values."
+    )
 
 
 def _module_paths(model: nnx.Module) -> list[str]:
@@ -182,6 +209,46 @@ def policy_params(model: nnx.Module, config) -> nnx.State:
           for path, value in merged.items()
       }
   )
+
+
+def starting_adapters(adapters: nnx.State, config) -> nnx.State:
+  """The adapters a run starts from, shaped and placed like `adapters` (a model's `nnx.LoRAParam` state): those
+  stored at `lora.lora_restore_path` (an adapter checkpoint of an earlier run, `.../checkpoints/<step>[/items]`;
+  its optimizer state is not read), or zeros, which make the model its base alone."""
+  path = config.lora.lora_restore_path
+  if not path:
+    return jax.tree.map(jnp.zeros_like, adapters)
+  checkpoint_guard.check_adapter_source(path, adapters)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), adapters)
+  return checkpointing.load_params_from_path(
+      path,
+      abstract,
+      config.checkpoint_storage_concurrent_gb,
+      use_ocdbt=config.checkpoint_storage_use_ocdbt,
+      use_zarr3=config.checkpoint_storage_use_zarr3,
+  )
+
+
+def pretrained_model(config, mesh) -> nnx.Module:
+  """MaxText's `from_pretrained` model (`load_parameters_path`, or the seeded init), carrying the adapters of
+  `lora.lora_restore_path` when that is set: the model a run starting from this config starts as, which a
+  precomputing reference scores with and the evaluate and sample commands decode."""
+  model = model_creation_utils.from_pretrained(config, mesh)
+  if not (enabled(config) and config.lora.lora_restore_path):
+    return model
+  model = apply(model, config)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # as a training state's adapters are
+  nnx.update(model, starting_adapters(jax.device_put(nnx.state(model, nnx.LoRAParam), replicated), config))
+  return model
+
+
+def restore_adapters(state: nnx.State, config) -> nnx.State:
+  """`state` (a fresh run's, step 0) with its adapters read from `lora.lora_restore_path`: training continues from
+  adapters an earlier run trained (SFT adapters into DPO or RL, say) with a fresh optimizer and schedule."""
+  adapters = starting_adapters(state.model.filter(nnx.LoRAParam), config)
+  max_logging.log(f"Adapters restored from lora.lora_restore_path={config.lora.lora_restore_path}.")
+  state["model"] = nnx.merge_state(state.model, adapters)
+  return state
 
 
 def reload_base(state: nnx.State, config, mesh=None) -> nnx.State:
