@@ -44,11 +44,20 @@ class Args:
 
   def config(self, run_name: str, *keys: str):
     """The benchmark model from the config file, writing nowhere that outlives the process, plus `keys`."""
-    workdir = tempfile.mkdtemp(prefix=f"posttrain_bench_{run_name}_")
-    return posttrain_config.initialize(
-        ["", self.config_file, *BENCHMARK_MODEL, f"run_name={run_name}", f"base_output_directory={workdir}"]
-        + ["enable_checkpointing=false", "eval_interval=0", "steps=1000", *keys, *self.overrides]
-    )
+    return _initialize(self.config_file, run_name, *BENCHMARK_MODEL, *keys, *self.overrides)
+
+  def model_config(self, run_name: str, model_name: str, *keys: str):
+    """MaxText's `model_name` config over the config file, plus `keys`; the command line's `key=value` overrides
+    shape the benchmark model and are not applied."""
+    return _initialize(self.config_file, run_name, f"model_name={model_name}", *keys)
+
+
+def _initialize(config_file: str, run_name: str, *keys: str):
+  workdir = tempfile.mkdtemp(prefix=f"posttrain_bench_{run_name}_")
+  return posttrain_config.initialize(
+      ["", config_file, f"run_name={run_name}", f"base_output_directory={workdir}"]
+      + ["enable_checkpointing=false", "eval_interval=0", "steps=1000", *keys]
+  )
 
 
 def parse(argv, default_config: str = "configs/sft.yml") -> Args:

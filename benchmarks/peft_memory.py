@@ -1,12 +1,17 @@
-"""Memory and step time of full fine-tuning vs LoRA vs QLoRA on the benchmark model of `sft_vs_pretrain`.
+"""Memory and step time of full fine-tuning vs LoRA vs QLoRA on the benchmark model of `sft_vs_pretrain`, and the
+memory of the same variants on MaxText's own model configs.
 
-Per variant, from the state the loop actually builds (`trainer.setup`): bytes of the trained parameters plus their
-optimizer state, bytes of the frozen base weights, and the median time of the jitted train step on one batch, with
-its ratio to full fine-tuning measured in the same process. Bytes count the stored bits of each dtype (nf4 codes are
-4 bits, as on TPU; a CPU buffer may hold them unpacked). Weights are bf16 (`weight_dtype=bfloat16`), so the base
-rows compare bf16 vs nf4 vs int8. Prints and writes JSON rows.
+Per variant, from the state the loop builds (`trainer.state_initializer`): bytes of the trained parameters plus their
+optimizer state, bytes of the frozen base weights, and, on the benchmark model, the median time of the jitted train
+step on one batch, with its ratio to full fine-tuning measured in the same process. `--models=llama2-7b,...` adds
+the byte rows of MaxText model configs (`model_name=...`; the `key=value` overrides shape only the benchmark model)
+from the abstract state (`nnx.eval_shape`), which allocates nothing, so a 7B model's figures come out on a laptop.
+LoRA's share of a kernel is rank * (in + out) / (in * out), so it shrinks as models widen. Bytes count the stored bits of each dtype (nf4 codes are 4 bits, as on TPU; a CPU
+buffer may hold them unpacked). Weights are bf16 (`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs
+int8. Prints and writes JSON rows.
 
-  python -m benchmarks.peft_memory [configs/sft.yml] [key=value ...] [--repeats=N] [--output=path.json]
+  python -m benchmarks.peft_memory [configs/sft.yml] [key=value ...] [--repeats=N] [--models=llama2-7b,...]
+      [--variants=full,lora_r8,...] [--output=path.json]
 """
 
 import json
@@ -19,6 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
+from maxtext.utils import maxtext_utils
+
 from benchmarks import harness
 from maxtext_posttrain import trainer
 from maxtext_posttrain.peft import lora
@@ -28,7 +35,7 @@ VARIANTS = {
     "full": (),
     "lora_r8": LORA,
     # Attention projections only (the original LoRA recipe); the row above targets MaxText's default q/k/v/out + MLP.
-    "lora_r8_attention": (*LORA, "lora.lora_module_path=decoder/layers/self_attention/(query|key|value|out)"),
+    "lora_r8_attention": (*LORA, "lora.lora_module_path=decoder/layers/self_attention[^/]*/(query|key|value|out)"),
     "qlora_nf4_r8": (*LORA, "lora.lora_weight_qtype=nf4"),
     "qlora_int8_r8": (*LORA, "lora.lora_weight_qtype=int8"),
 }
@@ -43,14 +50,26 @@ def _bytes(tree) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and x.size and x.dtype != bool)
 
 
+def state_bytes(state: nnx.State, config) -> dict:
+  """Bytes of a train state (concrete, or abstract from `nnx.eval_shape`): trained weights, their optimizer state,
+  and the frozen base (the trained weights themselves under full fine-tuning)."""
+  trained = state.model.filter(lora.trainable(config))
+  frozen = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))) if lora.enabled(config) else trained
+  return {
+      "model_parameters": sum(x.size for x in jax.tree.leaves(state.model.filter(nnx.Param))),
+      "trainable_bytes": _bytes(trained),
+      "optimizer_bytes": _bytes(state.optimizer.opt_state),
+      "base_weight_bytes": _bytes(frozen),
+  }
+
+
 def measure(config, repeats: int) -> dict:
+  """Bytes and the median step time of the loop's state and jitted train step on one batch."""
   loop = trainer.setup(config)
-  model = loop.policy()
-  trained = nnx.state(model, lora.trainable(config))
-  frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))) if lora.enabled(config) else {}
   batch = loop.train_batches.load_next_batch()
   state, times = loop.state, []
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    row = state_bytes(state, config)
     state, metrics = loop.p_train_step(state, batch)  # compile
     jax.block_until_ready((state, metrics))
     for _ in range(repeats):
@@ -58,34 +77,62 @@ def measure(config, repeats: int) -> dict:
       state, metrics = loop.p_train_step(state, batch)
       jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - start)
-  return {
-      "trainable_bytes": _bytes(trained),
-      "optimizer_bytes": _bytes(state.optimizer.opt_state),
-      "base_weight_bytes": _bytes(frozen if lora.enabled(config) else trained),
-      "step_time_s": statistics.median(times),
-  }
+  return row | {"step_time_s": statistics.median(times)}
+
+
+def measure_abstract(config) -> dict:
+  """Bytes of the state the loop would build for `config`, from its shapes alone."""
+  init_state_fn, _ = trainer.state_initializer(config, maxtext_utils.get_mesh_from_config(config))
+  with nn_partitioning.axis_rules(config.logical_axis_rules):
+    return state_bytes(nnx.state(nnx.eval_shape(init_state_fn)), config)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+  """Each row against the same model's full fine-tuning row (the first of its model)."""
+  full = {}
+  for row in rows:
+    full.setdefault(row["model"], row)
+    base = full[row["model"]]
+    row["trainable_plus_optimizer_vs_full"] = (row["trainable_bytes"] + row["optimizer_bytes"]) / (
+        base["trainable_bytes"] + base["optimizer_bytes"]
+    )
+    row["base_weight_vs_bf16"] = row["base_weight_bytes"] / base["base_weight_bytes"]
+    if row["step_time_s"] is not None:
+      row["step_time_vs_full"] = row["step_time_s"] / base["step_time_s"]
+
+
+def _print(row: dict) -> None:
+  step = (
+      ""
+      if row["step_time_s"] is None
+      else (f", step {row['step_time_s'] * 1000:8.1f} ms ({row['step_time_vs_full']:.2f}x full)")
+  )
+  print(
+      f"{row['model']:>14} {row['variant']:>17}: trainable+optimizer "
+      f"{(row['trainable_bytes'] + row['optimizer_bytes']) / 2**20:10.2f} MiB "
+      f"({row['trainable_plus_optimizer_vs_full']:.2%} of full), base weights {row['base_weight_bytes'] / 2**20:9.2f} "
+      f"MiB ({row['base_weight_vs_bf16']:.2%} of bf16){step}"
+  )
 
 
 def main(argv):
   args = harness.parse(argv)
   repeats = int(args.flag("repeats", "5"))
   output = args.flag("output", "benchmark_peft_memory.json")
+  variants = {name: VARIANTS[name] for name in args.flag("variants", ",".join(VARIANTS)).split(",")}
+  if next(iter(variants)) != "full":
+    raise ValueError(f"--variants must start with full, the baseline of the ratios (got {list(variants)}).")
   rows = []
-  for name, keys in VARIANTS.items():
+  for name, keys in variants.items():
     config = args.config(name, "weight_dtype=bfloat16", *keys)
-    rows.append({"variant": name, **measure(config, repeats)})
-  full = rows[0]
-  full_trained = full["trainable_bytes"] + full["optimizer_bytes"]
+    rows.append({"model": "benchmark", "variant": name, **measure(config, repeats)})
+  for model in filter(None, args.flag("models", "").split(",")):
+    for name, keys in variants.items():
+      config = args.model_config(name, model, "weight_dtype=bfloat16", *keys)
+      rows.append({"model": model, "variant": name, **measure_abstract(config), "step_time_s": None})
+  _add_ratios(rows)
   for row in rows:
-    row["trainable_plus_optimizer_vs_full"] = (row["trainable_bytes"] + row["optimizer_bytes"]) / full_trained
-    row["base_weight_vs_bf16"] = row["base_weight_bytes"] / full["base_weight_bytes"]
-    row["step_time_vs_full"] = row["step_time_s"] / full["step_time_s"]
-    print(
-        f"{row['variant']:>14}: trainable+optimizer {(row['trainable_bytes'] + row['optimizer_bytes']) / 2**20:8.2f} MiB "
-        f"({row['trainable_plus_optimizer_vs_full']:.2%} of full), base weights {row['base_weight_bytes'] / 2**20:7.2f} "
-        f"MiB ({row['base_weight_vs_bf16']:.2%} of bf16), step {row['step_time_s'] * 1000:8.1f} ms "
-        f"({row['step_time_vs_full']:.2f}x full)"
-    )
+    _print(row)
   with open(output, "w", encoding="utf-8") as f:
     json.dump(rows, f, indent=2)
   print(f"wrote {output}")

@@ -69,7 +69,7 @@ def build(role: str, config, mesh, copy: bool = False) -> FrozenModel:
         "it would not carry the policy's quantized base."
     )
   if lora.enabled(config) and not copy:
-    max_logging.log(f"Role {role}: the policy with its LoRA adapters zeroed (no second copy of the weights).")
+    max_logging.log(f"Role {role}: the policy with its starting LoRA adapters (no second copy of the weights).")
     return FrozenModel(config, mesh, None, None, follows_policy=True)
   source = config.load_parameters_path or f"the seeded initialisation (init_weights_seed={config.init_weights_seed})"
   if lora.enabled(config) and config.lora.lora_restore_path:

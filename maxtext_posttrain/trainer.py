@@ -10,7 +10,7 @@ contains nothing objective-specific.
 import dataclasses
 import datetime
 import json
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ class Loop:
     return nnx.merge(self.graphdef, self.state).model
 
   def role(self, name: str) -> roles_lib.FrozenModel:
-    """A frozen role of the objective; under LoRA the reference is the current policy with its adapters zeroed."""
+    """A frozen role of the objective; under LoRA the reference is the current policy with its starting adapters."""
     if name not in self.roles:
       raise ValueError(f"posttrain_mode={self.objective.name} declared roles {list(self.roles)}, not {name!r}.")
     role = self.roles[name]
@@ -221,13 +221,9 @@ def _eval_data_sharding(config, mesh):
   return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
 
 
-def setup(config) -> Loop:
-  """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
-  check_supported(config)
-  lora.validate_config(config)
-  objective = objectives.get(config.posttrain_mode)(config)
-  mesh = maxtext_utils.get_mesh_from_config(config)
-  roles = {role: roles_lib.build(role, config, mesh) for role in objective.roles}
+def state_initializer(config, mesh) -> tuple[Callable[[], train_state_nnx.TrainStateNNX], Any]:
+  """(init_state_fn, learning-rate schedule): the policy (with its adapters under LoRA) and an optimizer over what
+  it trains, as MaxText's `setup_training_state` and `nnx.eval_shape` take it."""
   create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
   learning_rate_schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
 
@@ -235,6 +231,17 @@ def setup(config) -> Loop:
     model = lora.apply(create_model(), config)  # the policy as is when LoRA is off
     return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=lora.trainable(config)))
 
+  return init_state_fn, learning_rate_schedule
+
+
+def setup(config) -> Loop:
+  """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
+  check_supported(config)
+  lora.validate_config(config)
+  objective = objectives.get(config.posttrain_mode)(config)
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  roles = {role: roles_lib.build(role, config, mesh) for role in objective.roles}
+  init_state_fn, learning_rate_schedule = state_initializer(config, mesh)
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)

@@ -14,14 +14,13 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.common import checkpointing
-from maxtext.common import train_state_nnx
 from maxtext.utils import max_logging
 from maxtext.utils import maxtext_utils
-from maxtext.utils import model_creation_utils
 from maxtext.utils import train_utils
 
 from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import trainer
 from maxtext_posttrain.peft import lora
 
 
@@ -35,13 +34,7 @@ def adapter_model(config) -> tuple[nnx.Module, int]:
     raise ValueError("Export merges LoRA adapters: set lora.enable_lora=true and the lora.* keys of the run.")
   lora.validate_config(config)
   mesh = maxtext_utils.get_mesh_from_config(config)
-  create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
-  _, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
-
-  def init_state_fn():
-    model = lora.apply(create_model(), config)
-    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.LoRAParam))
-
+  init_state_fn, _ = trainer.state_initializer(config, mesh)
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)

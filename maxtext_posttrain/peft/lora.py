@@ -217,7 +217,7 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
   its optimizer state is not read), or zeros, which make the model its base alone."""
   path = config.lora.lora_restore_path
   if not path:
-    return jax.tree.map(jnp.zeros_like, adapters)
+    return jax.tree.map(lambda x: jnp.zeros_like(x, device=x.sharding), adapters)
   checkpoint_guard.check_adapter_source(path, adapters)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), adapters)
   return checkpointing.load_params_from_path(
