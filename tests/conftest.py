@@ -27,13 +27,25 @@ def make_config(tmp_path, tfds_dir):
 
 
 @pytest.fixture(scope="session")
-def sft_checkpoint(tmp_path_factory, tfds_dir):
-  """Params of a 200-step SFT run on the bundled arithmetic data: the usual starting point of preference tuning and RL."""
+def sft_run(tmp_path_factory, tfds_dir):
+  """A seeded 200-step SFT run on the bundled arithmetic data, evaluated at steps 0 and 200: the SFT learning test
+  reads its curve, and its params are the usual starting point of preference tuning and RL."""
   from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
   from tests import run_utils  # pylint: disable=import-outside-toplevel
 
   out = tmp_path_factory.mktemp("sft")
   argv = ["", str(REPO / "configs/sft.yml"), "run_name=sft", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
-  argv += ["steps=200", "eval_interval=0", "checkpoint_period=1000", "async_checkpointing=false"]
-  run_utils.run(posttrain_config.initialize(argv))
-  return out / "sft" / "checkpoints" / "199" / "items"
+  argv += ["steps=200", "eval_interval=200", "eval_generation_examples=64", "checkpoint_period=1000"]
+  argv += ["async_checkpointing=false", f"metrics_file={out / 'metrics.jsonl'}"]
+  _, summary = run_utils.run(posttrain_config.initialize(argv))
+  return {
+      "summary": summary,
+      "losses": run_utils.losses(out / "metrics.jsonl"),
+      "checkpoint": out / "sft" / "checkpoints" / "199" / "items",
+  }
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(sft_run):
+  """Params of the 200-step SFT run."""
+  return sft_run["checkpoint"]

@@ -54,19 +54,18 @@ def test_grpo_vs_pretrain_splits_the_step_into_rollout_reference_and_train(tmp_p
 
 
 def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfds_dir):
-  """LoRA trains a small share of the bytes and nf4 stores the base in far fewer; the same counts come from the
+  """QLoRA trains a small share of the bytes and stores the base in far fewer; the same counts come from the
   abstract state of a MaxText model config (llama2-7b, nothing allocated), where both shares are smaller still."""
   output = tmp_path / "peft.json"
   tiny = ["base_emb_dim=128", "base_mlp_dim=512", "base_num_decoder_layers=1", "max_target_length=64"]
-  flags = ["--repeats=1", f"--output={output}", "--variants=full,lora_r8,qlora_nf4_r8", "--models=llama2-7b"]
+  flags = ["--repeats=1", f"--output={output}", "--variants=full,qlora_nf4_r8", "--models=llama2-7b"]
   peft_memory.main(["", *flags, f"dataset_path={tfds_dir}", *tiny])
   rows = {(r["model"], r["variant"]): r for r in json.loads(output.read_text())}
-  full, lora_r8, nf4 = (rows["benchmark", v] for v in ("full", "lora_r8", "qlora_nf4_r8"))
+  full, nf4 = rows["benchmark", "full"], rows["benchmark", "qlora_nf4_r8"]
   assert full["base_weight_bytes"] == full["trainable_bytes"] == 2 * full["model_parameters"]  # bf16
-  assert lora_r8["base_weight_bytes"] == full["base_weight_bytes"] and lora_r8["step_time_s"] > 0
-  assert lora_r8["trainable_plus_optimizer_vs_full"] < 0.1  # 8 * (in + out) / (in * out) per kernel at width 128
-  assert nf4["base_weight_vs_bf16"] < 0.5  # embeddings and norms stay bf16, a large share of a 128-wide model
-  llama_full, llama_lora, llama_nf4 = (rows["llama2-7b", v] for v in ("full", "lora_r8", "qlora_nf4_r8"))
+  assert nf4["step_time_s"] > 0 and nf4["step_time_vs_full"] == nf4["step_time_s"] / full["step_time_s"]
+  # float32 adapters, 8 * (in + out) per kernel of in * out; embeddings and norms are neither adapted nor quantized
+  assert nf4["trainable_plus_optimizer_vs_full"] < 0.2 and nf4["base_weight_vs_bf16"] < 0.5
+  llama_full, llama_nf4 = rows["llama2-7b", "full"], rows["llama2-7b", "qlora_nf4_r8"]
   assert 6.7e9 < llama_full["model_parameters"] < 6.8e9 and llama_full["step_time_s"] is None
-  assert llama_lora["trainable_plus_optimizer_vs_full"] < 0.005
-  assert 0.25 < llama_nf4["base_weight_vs_bf16"] < 0.3
+  assert llama_nf4["trainable_plus_optimizer_vs_full"] < 0.01 and 0.25 < llama_nf4["base_weight_vs_bf16"] < 0.3

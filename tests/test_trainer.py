@@ -19,22 +19,13 @@ from tests import paths
 from tests import run_utils
 
 
-def test_sft_learns_arithmetic(make_config, tmp_path):
+def test_sft_learns_arithmetic(sft_run):
   """A seeded run brings the training loss down and greedy held-out answer accuracy up from zero."""
-  metrics = tmp_path / "metrics.jsonl"
-  config = make_config(
-      "steps=200",
-      "eval_interval=200",
-      "eval_generation_examples=64",
-      "enable_checkpointing=false",
-      f"metrics_file={metrics}",
-  )
-  _, summary = run_utils.run(config)
-  losses = run_utils.losses(metrics)
+  losses = sft_run["losses"]
   first, last = losses[0], np.mean([losses[s] for s in range(195, 200)])
   assert first > 5.0, first  # ln(512) = 6.2 for a random model
   assert last < 0.05 * first, (first, last)
-  before, after = summary["evals"][0], summary["evals"][200]
+  before, after = sft_run["summary"]["evals"][0], sft_run["summary"]["evals"][200]
   assert after["eval/answer_accuracy"] >= before["eval/answer_accuracy"] + 0.4, (before, after)
   assert after["eval/loss"] < 0.05 * before["eval/loss"], (before, after)
 
