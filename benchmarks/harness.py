@@ -21,8 +21,9 @@ from maxtext.utils import train_utils
 from maxtext_posttrain import config as posttrain_config
 
 # About 34M parameters: large enough that the step is compute, not dispatch overhead, on a CPU or an accelerator.
-# As wide as the narrowest released-model config MaxText ships (qwen3-0.6b, 1024): per-kernel figures such as a LoRA
-# adapter's share of its kernel, rank * (in + out) / (in * out), depend on width, and a narrower toy overstates them.
+# Its embedding is as wide as that of the narrowest released-model config MaxText ships (qwen3-0.6b, 1024):
+# per-kernel figures such as a LoRA adapter's share of its kernel, rank * (in + out) / (in * out), depend on width,
+# and a narrower toy overstates them.
 BENCHMARK_MODEL = (
     "base_emb_dim=1024",
     "base_num_query_heads=16",

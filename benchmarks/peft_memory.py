@@ -6,9 +6,9 @@ optimizer state, bytes of the frozen base weights, and, on the benchmark model, 
 step on one batch, with its ratio to full fine-tuning measured in the same process. `--models=llama2-7b,...` adds
 the byte rows of MaxText model configs (`model_name=...`; the `key=value` overrides shape only the benchmark model)
 from the abstract state (`nnx.eval_shape`), which allocates nothing, so a 7B model's figures come out on a laptop.
-LoRA's share of a kernel is rank * (in + out) / (in * out), so it shrinks as models widen. Bytes count the stored bits of each dtype (nf4 codes are 4 bits, as on TPU; a CPU
-buffer may hold them unpacked). Weights are bf16 (`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs
-int8. Prints and writes JSON rows.
+LoRA's share of a kernel is rank * (in + out) / (in * out), so it shrinks as models widen. Bytes count the stored
+bits of each dtype (nf4 codes are 4 bits, as on TPU; a CPU buffer may hold them unpacked). Weights are bf16
+(`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs int8. Prints and writes JSON rows.
 
   python -m benchmarks.peft_memory [configs/sft.yml] [key=value ...] [--repeats=N] [--models=llama2-7b,...]
       [--variants=full,lora_r8,...] [--output=path.json]
@@ -56,7 +56,6 @@ def state_bytes(state: nnx.State, config) -> dict:
   trained = state.model.filter(lora.trainable(config))
   frozen = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))) if lora.enabled(config) else trained
   return {
-      "model_parameters": sum(x.size for x in jax.tree.leaves(state.model.filter(nnx.Param))),
       "trainable_bytes": _bytes(trained),
       "optimizer_bytes": _bytes(state.optimizer.opt_state),
       "base_weight_bytes": _bytes(frozen),
@@ -88,11 +87,13 @@ def measure_abstract(config) -> dict:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-  """Each row against the same model's full fine-tuning row (the first of its model)."""
+  """Each row against the same model's full fine-tuning row (the first of its model), whose trained weights are
+  all of the model's parameters in bf16."""
   full = {}
   for row in rows:
     full.setdefault(row["model"], row)
     base = full[row["model"]]
+    row["model_parameters"] = base["trainable_bytes"] // 2
     row["trainable_plus_optimizer_vs_full"] = (row["trainable_bytes"] + row["optimizer_bytes"]) / (
         base["trainable_bytes"] + base["optimizer_bytes"]
     )
@@ -119,9 +120,10 @@ def main(argv):
   args = harness.parse(argv)
   repeats = int(args.flag("repeats", "5"))
   output = args.flag("output", "benchmark_peft_memory.json")
-  variants = {name: VARIANTS[name] for name in args.flag("variants", ",".join(VARIANTS)).split(",")}
-  if next(iter(variants)) != "full":
-    raise ValueError(f"--variants must start with full, the baseline of the ratios (got {list(variants)}).")
+  names = args.flag("variants", ",".join(VARIANTS)).split(",")
+  if names[0] != "full" or not set(names) <= set(VARIANTS):
+    raise ValueError(f"--variants={','.join(names)}: names from {list(VARIANTS)}, starting with full (the baseline).")
+  variants = {name: VARIANTS[name] for name in names}
   rows = []
   for name, keys in variants.items():
     config = args.config(name, "weight_dtype=bfloat16", *keys)

@@ -56,7 +56,7 @@ def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = F
     expected = checkpointing._filter_lora_trainable_state(expected) or {}  # pylint: disable=protected-access
   expected = expected.get("params", {})
   _raise_on_mismatches(
-      f"The checkpoint at {directory} (step {step})",
+      f"The checkpoint at {directory} (step {step}) was written for a different model than this config builds",
       mismatches(stored, expected),
       "Nothing was loaded or overwritten. Use a new run_name/base_output_directory for this model, "
       "or restore the model keys the checkpoint was written with.",
@@ -75,14 +75,31 @@ def check_adapter_source(path: str, adapters) -> None:
     )
   expected = {f"params/{k}": v for k, v in _shapes(adapters.to_pure_dict()).items()}
   _raise_on_mismatches(
-      f"The adapters at lora.lora_restore_path={path}",
+      f"The adapters at lora.lora_restore_path={path} were trained on a different model than this config builds",
       _compare(stored_adapters, expected),
       "Set the lora.* keys (lora_module_path, lora_rank) and model keys the adapters were trained with.",
   )
 
 
-def _raise_on_mismatches(source: str, problems: list[str], advice: str) -> None:
+def _raise_on_mismatches(what: str, problems: list[str], advice: str) -> None:
   if problems:
     listed = "\n  ".join(problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-    raise ValueError(f"{source} were written for a different model than this config builds:\n  {listed}{more}\n{advice}")
+    raise ValueError(f"{what}:\n  {listed}{more}\n{advice}")
+
+
+def check_same_adapter_source(checkpoint_manager, config) -> None:
+  """Raises ValueError when a LoRA run resumes with another `lora.lora_restore_path` than the one its checkpoints
+  record (MaxText saves the `lora` keys with each): the policy resumes from its own adapters either way, but the
+  frozen reference of DPO and RL is base + the starting adapters, and would silently change."""
+  step = None if checkpoint_manager is None else checkpointing.latest_step(checkpoint_manager)
+  if step is None:
+    return
+  directory = checkpoint_manager.directory / str(step)
+  stored = (checkpointing.load_checkpoint_metadata(str(directory)).get("lora") or {}).get("lora_restore_path")
+  if stored is not None and stored != config.lora.lora_restore_path:
+    raise ValueError(
+        f"The run at {directory} started from lora.lora_restore_path={stored!r}, this config gives "
+        f"{config.lora.lora_restore_path!r}. Resume with the run's value: the reference of DPO and RL is built from "
+        "those adapters."
+    )

@@ -1,7 +1,7 @@
 """Sampled evaluation on held-out prompts: pass@1, unbiased pass@k, maj@k, format and partial accuracy.
 
   python -m maxtext_posttrain.evaluate <config.yml> load_parameters_path=<params> [key=value ...]
-  python -m maxtext_posttrain.evaluate configs/sft_lora.yml lora.lora_restore_path=<adapter checkpoint> [...]
+  python -m maxtext_posttrain.evaluate configs/sft_lora.yml load_parameters_path=<base> lora.lora_restore_path=<adapters>
 
 Each of the first `eval_generation_examples` held-out prompts (all of them when 0) gets `eval_samples_per_prompt`
 completions, sampled with MaxText's `decode_sampling_*` keys by the rollout sampler (MaxText's KV-cache decode

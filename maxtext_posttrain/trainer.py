@@ -246,6 +246,11 @@ def setup(config) -> Loop:
     abstract_state = nnx.eval_shape(init_state_fn)
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
   checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=lora.enabled(config))
+  if lora.enabled(config):
+    checkpoint_guard.check_same_adapter_source(checkpoint_manager, config)
+    resuming = checkpoint_manager is not None and checkpointing.latest_step(checkpoint_manager) is not None
+    if config.lora.lora_restore_path and not resuming:
+      lora.check_restore_source(nnx.state(abstract_state.model, nnx.LoRAParam), config)  # before weights load
   data = objective.make_data(mesh)
   # QLoRA's state holds quantized codes, which MaxText's loader cannot fill from a full-precision checkpoint:
   # `lora.reload_base` quantizes the checkpoint's weights instead, at the start as on every resume.
@@ -258,11 +263,8 @@ def setup(config) -> Loop:
   train_utils.validate_completed_steps(start_step, config.steps)
   if (start_step > 0 or quantized_base) and lora.enabled(config) and config.load_parameters_path:
     state = lora.reload_base(state, config, mesh)
-  if config.lora.lora_restore_path:  # as in MaxText: read by a fresh run, ignored by a resumed one
-    if start_step == 0:
-      state = lora.restore_adapters(state, config)
-    else:
-      max_logging.log(f"Resuming at step {start_step}: lora.lora_restore_path is not read, the run's adapters are.")
+  if config.lora.lora_restore_path and start_step == 0:  # as in MaxText: a resumed run reads its own adapters
+    state = lora.restore_adapters(state, config)
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   data_sharding = sharding.get_input_data_sharding(config, mesh)

@@ -62,8 +62,8 @@ def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfd
   peft_memory.main(["", *flags, f"dataset_path={tfds_dir}", *tiny])
   rows = {(r["model"], r["variant"]): r for r in json.loads(output.read_text())}
   full, nf4 = rows["benchmark", "full"], rows["benchmark", "qlora_nf4_r8"]
-  assert full["base_weight_bytes"] == full["trainable_bytes"] == 2 * full["model_parameters"]  # bf16
-  assert nf4["step_time_s"] > 0 and nf4["step_time_vs_full"] == nf4["step_time_s"] / full["step_time_s"]
+  assert full["base_weight_bytes"] == full["trainable_bytes"] and full["optimizer_bytes"] > full["trainable_bytes"]
+  assert nf4["step_time_s"] > 0 and full["step_time_s"] > 0
   # float32 adapters, 8 * (in + out) per kernel of in * out; embeddings and norms are neither adapted nor quantized
   assert nf4["trainable_plus_optimizer_vs_full"] < 0.2 and nf4["base_weight_vs_bf16"] < 0.5
   llama_full, llama_nf4 = rows["llama2-7b", "full"], rows["llama2-7b", "qlora_nf4_r8"]

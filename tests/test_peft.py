@@ -32,6 +32,12 @@ def _adapters(model) -> dict:
   return jax.device_get(nnx.state(model, nnx.LoRAParam).to_pure_dict())
 
 
+def _checkpoint(run_dir) -> str:
+  """The latest checkpoint of a run directory, as `load_parameters_path` and `lora.lora_restore_path` take it."""
+  steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
+  return str(run_dir / "checkpoints" / str(max(steps)) / "items")
+
+
 def _logits(model, batch):
   return model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"], enable_dropout=False)
 
@@ -68,14 +74,14 @@ def test_lora_sft_reduces_the_loss(lora_run):
 def test_adapter_checkpoint_holds_only_adapters(lora_run):
   from orbax.checkpoint import v1 as ocp  # pylint: disable=import-outside-toplevel
 
-  checkpoints = lora_run["tmp"] / "run" / "checkpoints"
-  stored = ocp.metadata(checkpoints / str(max(int(p.name) for p in checkpoints.iterdir()))).metadata["params"]
+  latest = _checkpoint(lora_run["tmp"] / "run").removesuffix("/items")
+  stored = ocp.metadata(latest).metadata["params"]
   names = {
       "/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]
   }
   assert names and all("_lora_" in n for n in names), sorted(names)[:5]
   # ... and the adapters' Adam moments, which MaxText 0.2.5's own filter drops (see peft/lora.py).
-  opt_state = ocp.metadata(checkpoints / str(max(int(p.name) for p in checkpoints.iterdir()))).metadata["opt_state"]
+  opt_state = ocp.metadata(latest).metadata["opt_state"]
   moments = [
       "/".join(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]
   ]
@@ -135,11 +141,6 @@ def test_adapter_resume_repeats_the_uninterrupted_loss_sequence(tmp_path, tfds_d
   np.testing.assert_allclose(_logits(plain.policy(), batch), _logits(full_loop.policy(), batch), rtol=1e-4, atol=1e-4)
 
 
-def _checkpoint(run_dir) -> str:
-  steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
-  return str(run_dir / "checkpoints" / str(max(steps)) / "items")
-
-
 def test_lora_restore_path_starts_a_fresh_run_from_stored_adapters_and_a_resume_ignores_it(lora_run, tfds_dir):
   """A fresh run reads the adapters (not the optimizer state) of `lora.lora_restore_path` and so starts at the
   source's trained loss level; once the run directory has a checkpoint, resuming reads that instead (MaxText's
@@ -155,15 +156,17 @@ def test_lora_restore_path_starts_a_fresh_run_from_stored_adapters_and_a_resume_
   trainer.train(loop)
   assert run_utils.losses(metrics)[0] < 0.6 * lora_run["losses"][0]  # trained level, not a random model's 6.2
   trained = _adapters(loop.policy())
+  with pytest.raises(ValueError, match=r"started from lora.lora_restore_path='.*/run/checkpoints/59/items', this"):
+    trainer.setup(_config(tmp, tfds_dir, *LORA, "steps=4", run_name="restored"))  # the key dropped on resume
   resumed = trainer.setup(_config(tmp, tfds_dir, *common, "steps=4", run_name="restored"))
   assert resumed.step == 2
   jax.tree.map(np.testing.assert_array_equal, _adapters(resumed.policy()), trained)
   assert not np.array_equal(jax.tree.leaves(trained)[0], jax.tree.leaves(source)[0])
 
 
-def test_evaluate_and_sample_decode_the_restored_adapters(lora_run, tfds_dir):
-  """The evaluate and sample commands build their model with `lora.pretrained_model`: under `lora.lora_restore_path`
-  they decode the adapter run's merged weights, not the base."""
+def test_pretrained_model_carries_the_restored_adapters(lora_run, tfds_dir):
+  """`lora.pretrained_model`, which the evaluate and sample commands decode, is the adapter run's model under
+  `lora.lora_restore_path`: its merged weights are the run's, not the base's."""
   restore = f"lora.lora_restore_path={_checkpoint(lora_run['tmp'] / 'run')}"
   config = _config(lora_run["tmp"], tfds_dir, *LORA, restore, "enable_checkpointing=false", run_name="decode")
   decoded = lora.policy_params(lora.pretrained_model(config, maxtext_utils.get_mesh_from_config(config)), config)
@@ -177,7 +180,7 @@ def test_evaluate_and_sample_decode_the_restored_adapters(lora_run, tfds_dir):
         (("lora.lora_rank=4", "lora.lora_alpha=8"), r"other settings: lora_rank=8 there, 4 here; lora_alpha=16.0"),
         (
             ("lora.lora_module_path=decoder/layers/self_attention/(query|key|value|out)",),
-            r"different model .*\n  params/decoder/layers/mlp/wi_0/kernel_lora_a: in the checkpoint \(128, 2, 8\) but not",
+            r"trained on a different model .*\n  params/decoder/layers/mlp/wi_0/kernel_lora_a: in the checkpoint",
         ),
     ],
 )
@@ -235,7 +238,7 @@ def test_qlora_int8_quantizes_the_base(tmp_path, tfds_dir):
         (("lora.lora_rank=0",), r"lora_rank must be > 0"),
         (("lora.lora_rank=200",), r"lora_rank=200 exceeds the width 128 of decoder/layers/"),
         (("lora.lora_restore_path=/nonexistent/3/items",), r"lora_restore_path=/nonexistent/3/items does not exist"),
-        (("lora.enable_lora=false", "lora.lora_restore_path=/x"), r"lora_restore_path=/x is set but lora.enable_lora"),
+        (("lora.enable_lora=false", "lora.lora_restore_path=/x"), r"lora_restore_path=/x is set but the policy"),
     ],
 )
 def test_bad_lora_settings_fail_at_setup(tmp_path, tfds_dir, overrides, message):

@@ -196,6 +196,8 @@ def test_lora_reference_over_restored_adapters_is_the_starting_policy(make_confi
   sft = make_config(*lora_keys, "steps=3", "learning_rate=1e-2", "eval_interval=0", "async_checkpointing=false",
                     run_name="sft")  # fmt: skip
   sft_loop, _ = run_utils.run(sft)
+  trained = jax.device_get(nnx.state(sft_loop.policy(), nnx.LoRAParam).to_pure_dict())
+  assert all(np.any(b) for b in jax.tree.leaves(trained)), "B starts at 0: unmoved adapters would prove nothing"
   restore = f"lora.lora_restore_path={tmp_path / 'sft' / 'checkpoints' / '2' / 'items'}"
   rows = [dict(pair, prompt=f"{pair['prompt']} ({i})") for i in range(4) for pair in PAIRS]
   for precompute in ("false", "true"):
@@ -208,7 +210,6 @@ def test_lora_reference_over_restored_adapters_is_the_starting_policy(make_confi
     np.testing.assert_allclose(run_utils.losses(metrics)[0], np.log(2.0), rtol=1e-5)
     if precompute == "false":
       reference = jax.device_get(loop.role("reference").state.filter(nnx.LoRAParam).to_pure_dict())
-      trained = jax.device_get(nnx.state(sft_loop.policy(), nnx.LoRAParam).to_pure_dict())
       jax.tree.map(np.testing.assert_array_equal, reference, trained)
 
 

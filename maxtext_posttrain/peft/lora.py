@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 from flax import nnx
+from flax.linen import partitioning as nn_partitioning
 from qwix._src.core import qarray
 from qwix._src.providers import ptq
 
@@ -78,8 +79,11 @@ def module_path_regex(config) -> str:
 def validate_config(config) -> None:
   """Raises ValueError for `lora.*` settings that would train nothing or that the loop cannot honour."""
   lora = config.lora
-  if lora.lora_restore_path and not lora.enable_lora:
-    raise ValueError(f"lora.lora_restore_path={lora.lora_restore_path} is set but lora.enable_lora is false.")
+  if lora.lora_restore_path and not enabled(config):
+    raise ValueError(
+        f"lora.lora_restore_path={lora.lora_restore_path} is set but the policy carries no adapters "
+        f"(lora.enable_lora={lora.enable_lora}, lora_roles={list(config.lora_roles)})."
+    )
   if not lora.enable_lora:
     return
   unknown = sorted(set(config.lora_roles) - set(TRAINED_ROLES))
@@ -92,17 +96,20 @@ def validate_config(config) -> None:
         f"lora.lora_alpha must be > 0 (got {lora.lora_alpha}): adapter outputs are scaled by alpha / rank, so 0 "
         "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
     )
-  if lora.lora_restore_path:
-    _check_restore_metadata(config)
 
 
-def _check_restore_metadata(config) -> None:
-  """The adapters at `lora.lora_restore_path` exist and were trained with this config's rank and alpha (read from
-  the `lora` metadata MaxText's checkpoint save records); alpha leaves no trace in the shapes checked later."""
+def check_restore_source(adapters: nnx.State, config) -> None:
+  """Raises ValueError unless `lora.lora_restore_path` holds adapters this config's model can take: the path
+  exists, the rank and alpha in the `lora` metadata MaxText's checkpoint save records are this config's (alpha
+  leaves no trace in the shapes), and the stored adapters cover exactly the modules and shapes of `adapters` (the
+  model's `nnx.LoRAParam` state, concrete or abstract). Cheap: it reads metadata only."""
   path = config.lora.lora_restore_path
   if not epath.Path(path).exists():
     raise ValueError(f"lora.lora_restore_path={path} does not exist.")
-  stored = checkpointing.load_checkpoint_metadata(path).get("lora") or {}
+  stored = checkpointing.load_checkpoint_metadata(path).get("lora")
+  if not stored:
+    max_logging.log(f"lora.lora_restore_path={path} records no lora metadata: rank and alpha are not checked.")
+    stored = {}
   differ = [
       f"{key}={stored[key]} there, {getattr(config.lora, key)} here"
       for key in ("lora_rank", "lora_alpha")
@@ -113,6 +120,7 @@ def _check_restore_metadata(config) -> None:
         f"lora.lora_restore_path={path} holds adapters trained with other settings: {'; '.join(differ)}. "
         "Set lora.lora_rank and lora.lora_alpha to the adapters' values."
     )
+  checkpoint_guard.check_adapter_source(path, adapters)
 
 
 def _module_paths(model: nnx.Module) -> list[str]:
@@ -218,7 +226,7 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
   path = config.lora.lora_restore_path
   if not path:
     return jax.tree.map(lambda x: jnp.zeros_like(x, device=x.sharding), adapters)
-  checkpoint_guard.check_adapter_source(path, adapters)
+  check_restore_source(adapters, config)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), adapters)
   return checkpointing.load_params_from_path(
       path,
@@ -230,13 +238,15 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
 
 
 def pretrained_model(config, mesh) -> nnx.Module:
-  """MaxText's `from_pretrained` model (`load_parameters_path`, or the seeded init), carrying the adapters of
-  `lora.lora_restore_path` when that is set: the model a run starting from this config starts as, which a
-  precomputing reference scores with and the evaluate and sample commands decode."""
+  """MaxText's `from_pretrained` model (`load_parameters_path`, or the seeded init), with the adapters of
+  `lora.lora_restore_path` on it (over a qwix-quantized base under QLoRA) when that key is set: what the evaluate
+  and sample commands decode and what a precomputing reference scores with."""
+  validate_config(config)
   model = model_creation_utils.from_pretrained(config, mesh)
-  if not (enabled(config) and config.lora.lora_restore_path):
+  if not config.lora.lora_restore_path:
     return model
-  model = apply(model, config)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):  # qwix traces the model once
+    model = apply(model, config)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # as a training state's adapters are
   nnx.update(model, starting_adapters(jax.device_put(nnx.state(model, nnx.LoRAParam), replicated), config))
   return model
