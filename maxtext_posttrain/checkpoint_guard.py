@@ -67,7 +67,8 @@ def check_adapter_source(path: str, adapters) -> None:
   """Raises ValueError unless the checkpoint at `path` holds exactly the adapters of `adapters` (the model's
   `nnx.LoRAParam` state): same modules, same shapes. Orbax's partial restore would otherwise load a subset of
   stored adapters without a word, or leave a targeted module at its fresh initialisation."""
-  stored = ocp.metadata(epath.Path(path.rstrip("/").removesuffix("/items"))).metadata.get("params", {})
+  root = epath.Path(checkpointing._normalize_checkpoint_root(path))  # pylint: disable=protected-access
+  stored = ocp.metadata(root).metadata.get("params", {})
   stored_adapters = {k: v for k, v in _shapes(stored).items() if "_lora_" in k}
   if not stored_adapters:
     raise ValueError(

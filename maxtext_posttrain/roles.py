@@ -72,7 +72,7 @@ def build(role: str, config, mesh, copy: bool = False) -> FrozenModel:
     max_logging.log(f"Role {role}: the policy with its starting LoRA adapters (no second copy of the weights).")
     return FrozenModel(config, mesh, None, None, follows_policy=True)
   source = config.load_parameters_path or f"the seeded initialisation (init_weights_seed={config.init_weights_seed})"
-  if lora.enabled(config) and config.lora.lora_restore_path:
+  if config.lora.lora_restore_path:  # validate_config: only with adapters on the policy
     source += f" with the adapters of {config.lora.lora_restore_path}"
   max_logging.log(f"Role {role}: a frozen copy of the starting policy from {source}.")
   graphdef, state = nnx.split(lora.pretrained_model(config, mesh))

@@ -185,9 +185,13 @@ def test_pretrained_model_carries_the_restored_adapters(lora_run, tfds_dir):
     ],
 )
 def test_lora_restore_path_of_other_adapters_is_refused(lora_run, tfds_dir, overrides, message):
+  """Refused before any weights load: the base path given does not exist, so a later check would fail on it."""
   tmp = lora_run["tmp"]
   restore = f"lora.lora_restore_path={_checkpoint(tmp / 'run')}"
-  config = _config(tmp, tfds_dir, *LORA, restore, "enable_checkpointing=false", *overrides, run_name="refused")
+  never_read = f"load_parameters_path={tmp / 'no_such_base' / 'items'}"
+  config = _config(
+      tmp, tfds_dir, *LORA, restore, never_read, "enable_checkpointing=false", *overrides, run_name="refused"
+  )
   with pytest.raises(ValueError, match=message):
     trainer.setup(config)
 

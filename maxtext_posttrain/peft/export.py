@@ -44,7 +44,7 @@ def adapter_model(config) -> tuple[nnx.Module, int]:
   checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=True)
   state, _, _, _, _ = maxtext_utils.setup_training_state(None, config, mesh, checkpoint_manager, init_state_fn)
   if config.load_parameters_path:  # the base the adapters were trained on; the restore above does not read it
-    state = lora.reload_base(state, config)
+    state = lora.reload_base(state, config, mesh)
   return nnx.merge(nnx.graphdef(abstract_state), state).model, step
 
 

@@ -227,7 +227,13 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
   if not path:
     return jax.tree.map(lambda x: jnp.zeros_like(x, device=x.sharding), adapters)
   check_restore_source(adapters, config)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), adapters)
+  return _load_like(path, adapters, config)
+
+
+def _load_like(path: str, tree: nnx.State, config) -> nnx.State:
+  """The weights of `tree`'s paths read from the checkpoint at `path` by MaxText's loader, with `tree`'s shapes,
+  dtypes and shardings."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
   return checkpointing.load_params_from_path(
       path,
       abstract,
@@ -237,16 +243,22 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
   )
 
 
+def _pretrained_with_adapters(config, mesh) -> nnx.Module:
+  """MaxText's `from_pretrained` model with qwix adapters (and under QLoRA its base quantized), applied under the
+  mesh and logical axis rules, since qwix traces the model once."""
+  model = model_creation_utils.from_pretrained(config, mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    return apply(model, config)
+
+
 def pretrained_model(config, mesh) -> nnx.Module:
   """MaxText's `from_pretrained` model (`load_parameters_path`, or the seeded init), with the adapters of
   `lora.lora_restore_path` on it (over a qwix-quantized base under QLoRA) when that key is set: what the evaluate
   and sample commands decode and what a precomputing reference scores with."""
   validate_config(config)
-  model = model_creation_utils.from_pretrained(config, mesh)
   if not config.lora.lora_restore_path:
-    return model
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):  # qwix traces the model once
-    model = apply(model, config)
+    return model_creation_utils.from_pretrained(config, mesh)
+  model = _pretrained_with_adapters(config, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # as a training state's adapters are
   nnx.update(model, starting_adapters(jax.device_put(nnx.state(model, nnx.LoRAParam), replicated), config))
   return model
@@ -261,7 +273,7 @@ def restore_adapters(state: nnx.State, config) -> nnx.State:
   return state
 
 
-def reload_base(state: nnx.State, config, mesh=None) -> nnx.State:
+def reload_base(state: nnx.State, config, mesh) -> nnx.State:
   """`state` with its frozen base weights read again from `load_parameters_path`.
 
   An adapter checkpoint holds no base, and MaxText skips `load_parameters_path` once the run directory has a
@@ -273,16 +285,9 @@ def reload_base(state: nnx.State, config, mesh=None) -> nnx.State:
   frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
   base = state.model.filter(frozen)
   if config.lora.lora_weight_qtype:
-    quantized = nnx.state(apply(model_creation_utils.from_pretrained(config, mesh), config), frozen)
+    quantized = nnx.state(_pretrained_with_adapters(config, mesh), frozen)
     loaded = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), quantized, base)
   else:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base)
-    loaded = checkpointing.load_params_from_path(
-        config.load_parameters_path,
-        abstract,
-        config.checkpoint_storage_concurrent_gb,
-        use_ocdbt=config.checkpoint_storage_use_ocdbt,
-        use_zarr3=config.checkpoint_storage_use_zarr3,
-    )
+    loaded = _load_like(config.load_parameters_path, base, config)
   state["model"] = nnx.merge_state(state.model, loaded)
   return state
