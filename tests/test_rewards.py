@@ -2,6 +2,7 @@
 
 import ast
 import concurrent.futures
+import fractions
 import json
 import re
 import sys
@@ -77,6 +78,34 @@ def test_equivalent_answers(predicted, gold):
 )
 def test_different_answers(predicted, gold):
   assert not math.answers_equal(predicted, gold)
+
+
+def test_hedged_answer_scores_zero():
+  """A final line with several distinct numbers is no answer, whichever comes last: math-verify alone reads the last
+  (or the boxed) one, which a policy learns to exploit."""
+  hedged = ["19 or 18", "17-18", "17, 18", "17; 18", "17 to 18", "3 + 15 = 18", "$19$ or $18$", "\\boxed{18} or 19"]
+  assert score(math.correctness, [f"#### {answer}" for answer in hedged], ["#### 18"] * len(hedged)) == [0] * len(hedged)
+  assert not math.answers_equal("$\\frac{3}{4}$ or 0.5", "0.5")
+  # One number, a fraction, units or LaTeX are no hedge.
+  single = ["18 apples", "$18.00", "36/2", "18 m^2", "x = 18", "18 or 18", "\\boxed{18} apples", "\\frac{36}{2}"]
+  assert score(math.correctness, [f"#### {answer}" for answer in single], ["#### 18"] * len(single)) == [1] * len(single)
+  assert math.answers_equal("2\\sqrt{2}", "\\sqrt{8}") and math.answers_equal("1,450,000 dollars", "1450000")
+
+
+def test_whole_number_gold_compares_exactly():
+  completions = ["#### 1450000.5", "#### 1,450,000.40", "#### 1450000.5 dollars", "#### $1450000.5", "#### 1450000.0"]
+  assert score(math.correctness, completions, ["#### 1450000"] * len(completions)) == [0, 0, 0, 0, 1]
+  assert math.answers_equal("1450000.4", "1450000.40000001")  # a non-whole gold keeps the tolerance for rounding
+
+
+def test_minus_sign_and_en_dash_read_as_minus():
+  completions = ["#### \u22123", "#### \u20133", "#### \u22123 degrees", "#### 3"]
+  assert score(math.correctness, completions, ["#### -3"] * len(completions)) == [1, 1, 1, 0]
+  assert score(math.correctness, ["#### -3", "#### 3"], ["#### \u22123"] * 2) == [1, 0]
+  assert math.parse_number("\u22121,234.5") == fractions.Fraction(-2469, 2)
+  assert score(math.partial, ["#### \u221295"], ["#### -100"]) == [0.5]
+  assert score(math.correctness, ["#### 17\u201318"], ["#### 18"]) == [0]  # an en dash between numbers is a range
+  assert score(math.format, ["#### \u22123"], [""]) == [0]  # the format asks for GSM8K's plain `-`
 
 
 def test_latex_answers_match_off_the_main_thread():

@@ -1,9 +1,13 @@
 """Rule-based rewards for math word problems in GSM8K form (a worked solution whose last line is `#### <number>`).
 
 RL scores every rollout of every step, so the common case must be cheap: final answers are almost always plain
-numbers, which are compared as exact `Fraction`s once commas, `$`, `%`, a leading `+` and trailing zeros are
-normalised away. Only answers that are not plain numbers (LaTeX such as `\\frac{3}{4}` or `\\boxed{7}`, a number with
-words around it) go to math-verify, which parses with sympy and costs milliseconds instead of microseconds.
+numbers, which are compared as exact `Fraction`s once commas, `$`, `%`, a leading `+`, trailing zeros and a typed
+minus (U+2212 or an en dash) are normalised away. Only answers that are not plain numbers (LaTeX such as
+`\\frac{3}{4}` or `\\boxed{7}`, a number with words around it) go to math-verify, which parses with sympy and costs
+milliseconds instead of microseconds.
+
+Checking is as strict as a grader where math-verify alone would be lenient: an answer that hedges between numbers
+(`18 or 19`) scores 0, though math-verify would read its last one, and a whole-number reference is matched exactly.
 
 The rewards follow the contract of `maxtext_posttrain.rewards`. `correctness` and `partial` also take a keyword
 `pattern` (see `extract_final_answer`) for models that state answers another way, e.g.
@@ -23,8 +27,16 @@ _TIMEOUT_S = 5  # math-verify's own default, per parse and per comparison
 # seconds on them and has no timeout off the main thread.
 _MAX_FALLBACK_CHARS = 256
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# The minus sign and the en dash, which people type for `-`; read as `-` anywhere, as a dash between words reads the
+# same either way.
+_MINUS_SIGNS = str.maketrans("\u2212\u2013", "--")
+# LaTeX math that math-verify takes the answer from; `\boxed{}` with up to two levels of braces inside.
+_LATEX_MATH = re.compile(r"\$[^$]*\$|\\\(.*?\\\)|\\\[.*?\\\]|\\boxed\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}")
 # After normalisation: sign, digits with optional decimals and a small exponent, optionally `/` a denominator.
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d{1,3})?(?:/\d+)?")
+# A plain number in running text (so `a/b` is one number); digits glued after a letter or `^` are part of a unit
+# (`m2`, `m^2`), not a number.
+_NUMBER = re.compile(r"(?<![A-Za-z^])" + _PLAIN_NUMBER.pattern)
 # A well-formed final line: on its own line, `####`, a number as GSM8K writes it, nothing but whitespace after.
 _FINAL_LINE = re.compile(r"(?:\A|\n)[ \t]*####[ \t]*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*\Z")
 
@@ -48,13 +60,18 @@ def extract_final_answer(text: str, pattern: str | None = None) -> str | None:
   return answer.strip() or None
 
 
+def _normalise(text: str) -> str:
+  """`text` with typed minus signs as `-`, and without `$` signs and thousands commas, which are not numbers."""
+  return _THOUSANDS_COMMA.sub("", text.translate(_MINUS_SIGNS).replace("$", ""))
+
+
 def parse_number(text: str) -> fractions.Fraction | None:
   """`text` as an exact number if it is a plain one, else None.
 
   Surrounding whitespace, a trailing full stop, `$` signs, a trailing `%` (GSM8K answers "25%" as 25), thousands
-  commas and a leading `+` are dropped; `a/b` is a fraction.
+  commas and a leading `+` are dropped; U+2212 and the en dash are minus signs; `a/b` is a fraction.
   """
-  text = _THOUSANDS_COMMA.sub("", text.replace("$", "").strip().removesuffix(".").removesuffix("%").rstrip())
+  text = _normalise(text).strip().removesuffix(".").removesuffix("%").rstrip()
   if not _PLAIN_NUMBER.fullmatch(text):
     return None
   numerator, _, denominator = text.partition("/")
@@ -64,12 +81,12 @@ def parse_number(text: str) -> fractions.Fraction | None:
     return None
 
 
-def numbers_equal(a: fractions.Fraction, b: fractions.Fraction) -> bool:
-  """Exactly equal, or within REL_TOL of each other where one is not a whole number (a rounded 1/3). Whole numbers
-  compare exactly: at GSM8K scale a relative tolerance would accept 1,450,001 for 1,450,000."""
-  if a.denominator == b.denominator == 1:
-    return a == b
-  return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
+def numbers_equal(predicted: fractions.Fraction, gold: fractions.Fraction) -> bool:
+  """Exactly equal where `gold` is a whole number, else within REL_TOL of it (a rounded 1/3). A whole gold is exact
+  because at GSM8K scale a relative tolerance would accept 1,450,000.5 or 1,450,001 for 1,450,000."""
+  if gold.denominator == 1:
+    return predicted == gold
+  return abs(predicted - gold) <= REL_TOL * abs(gold)
 
 
 def _timeout_s() -> int | None:
@@ -78,21 +95,36 @@ def _timeout_s() -> int | None:
   return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+def _hedged(answer: str) -> bool:
+  """Whether `answer` states several answers (`18 or 19`, `18, 19`, `17-18`, `3 + 15 = 18`), where math-verify would
+  read only its last number, or its `\\boxed{}` one (`\\boxed{18} or 19`), and a policy would learn to hedge.
+
+  Plain text hedges when it has more than one distinct number. LaTeX hedges when it has digits outside its math
+  (`$...$`, `\\(...\\)`, `\\[...\\]`, `\\boxed{}`); bare LaTeX (`2\\sqrt{2}`) is all math, and math-verify reads
+  several answers in math (`18 \\text{ or } 19`) as a set, equal to no number.
+  """
+  if "\\" in answer:
+    outside = _LATEX_MATH.sub(" ", answer)
+    return outside != answer and re.search(r"\d", outside) is not None
+  return len({parse_number(number) for number in _NUMBER.findall(_normalise(answer))}) > 1
+
+
 def _as_latex(answer: str) -> str:
   """Bare LaTeX (`2\\sqrt{2}`) in `$...$`, so math-verify reads all of it rather than the first number it finds."""
   return f"${answer}$" if "\\" in answer and "$" not in answer else answer
 
 
 def answers_equal(predicted: str, gold: str) -> bool:
-  """Whether two final answers are the same: as plain numbers (see numbers_equal) if both are, else by math-verify."""
+  """Whether a predicted final answer is the gold one: as plain numbers (see numbers_equal) if both are, else by
+  math-verify unless the prediction hedges (see _hedged)."""
   predicted_number, gold_number = parse_number(predicted), parse_number(gold)
   if predicted_number is not None and gold_number is not None:
     return numbers_equal(predicted_number, gold_number)
-  if max(len(predicted), len(gold)) > _MAX_FALLBACK_CHARS:
+  if max(len(predicted), len(gold)) > _MAX_FALLBACK_CHARS or _hedged(predicted):
     return False
   timeout_s = _timeout_s()
-  parsed_gold = math_verify.parse(_as_latex(gold), parsing_timeout=timeout_s)
-  parsed_predicted = math_verify.parse(_as_latex(predicted), parsing_timeout=timeout_s)
+  parsed_gold = math_verify.parse(_as_latex(gold.translate(_MINUS_SIGNS)), parsing_timeout=timeout_s)
+  parsed_predicted = math_verify.parse(_as_latex(predicted.translate(_MINUS_SIGNS)), parsing_timeout=timeout_s)
   return math_verify.verify(parsed_gold, parsed_predicted, timeout_seconds=timeout_s)
 
 
