@@ -1,4 +1,5 @@
-"""RL sampling: B prompts x N samples, log-probs equal to the trainer's, the sampled distribution, stops, bad input.
+"""RL sampling: B prompts x N samples, log-probs equal to the trainer's, the sampled distribution, stops, bad input,
+a vocabulary padded past the tokenizer, and ahead-of-time compilation for a TPU topology.
 
 Reuses tests/test_rollout.py's session model (configs/sft.yml decoder, random weights, output projection scaled by 8)
 and its train-mode forward as the reference. Distribution tests use a flatter copy of the weights (output projection
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from maxtext.trainers.pre_train import train_compile
+from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import cross_entropy
 from maxtext_posttrain.losses import logprobs
 from maxtext_posttrain.rollout import Sampler, SamplingParams
@@ -18,11 +21,18 @@ from tests import test_rollout
 
 NO_EOS = test_rollout.NO_EOS
 NUM_DRAWS = 4000
+NUM_PIECES = 512  # the bundled sentencepiece tokenizer's
 
 
 @pytest.fixture(scope="session")
 def setup():
   return test_rollout.shared_setup()
+
+
+@pytest.fixture(scope="session")
+def padded_setup():
+  """The session model with MaxText-style vocabulary padding: 1024 embedding rows over the 512-piece tokenizer."""
+  return test_rollout.shared_setup(("vocab_size=1024",))
 
 
 @pytest.fixture(scope="session")
@@ -40,17 +50,38 @@ def _sample(setup, params, prompts, sampling, num_samples=1, max_new_tokens=8, e
   )
 
 
-def test_logprobs_equal_teacher_forced_full_forward(setup):
-  """Per-token log-probs of sampled completions = log softmax(logits / T) of one train-mode forward (float32)."""
+def _teacher_forced(setup, temperature):
+  """Rollouts of prompts 0-2 x 2 samples and the logits of one train-mode forward at each completion token."""
   prompts = test_rollout._prompts()[:3]  # pylint: disable=protected-access
-  temperature = 0.7
   rollouts = _sample(setup, setup.params, prompts, SamplingParams("weighted", temperature), num_samples=2)
   sequences = [p + c for p, c in zip(rollouts.prompts, rollouts.completions())]
   logits = setup.full_logits(setup.params, sequences)
-  for row, (prompt, completion) in enumerate(zip(rollouts.prompts, rollouts.completions())):
-    at = np.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-    expected = np.asarray(logprobs.token_logprobs(logits[row, at], np.array(completion), temperature))
+  at = [np.arange(len(p) - 1, len(p) + len(c) - 1) for p, c in zip(rollouts.prompts, rollouts.completions())]
+  return rollouts, [logits[row, positions] for row, positions in enumerate(at)]
+
+
+@pytest.mark.parametrize("which", ["setup", "padded_setup"], ids=["vocab_512", "vocab_1024"])
+def test_logprobs_equal_teacher_forced_full_forward(request, which):
+  """Per-token log-probs of sampled completions = log softmax(logits / T) of one train-mode forward (float32), over
+  the ids the tokenizer decodes (all 512 of vocab_512; the first 512 of vocab_1024's 1024)."""
+  temperature = 0.7
+  rollouts, logits = _teacher_forced(request.getfixturevalue(which), temperature)
+  for row, completion in enumerate(rollouts.completions()):
+    masked = logprobs.mask_undecodable(logits[row], NUM_PIECES)
+    expected = np.asarray(logprobs.token_logprobs(masked, np.array(completion), temperature))
     np.testing.assert_allclose(rollouts.logprobs[row, : len(completion)], expected, atol=1e-4)
+
+
+def test_a_padded_vocabulary_samples_only_ids_the_tokenizer_decodes(padded_setup):
+  """With 1024 embedding rows over 512 pieces, the random model mostly prefers padding ids; none is sampled, and
+  every completion decodes (sentencepiece raises OUT_OF_RANGE on a padding id)."""
+  rollouts, logits = _teacher_forced(padded_setup, 0.7)
+  preferred = np.concatenate([row.argmax(-1) for row in logits])
+  assert np.mean(preferred >= NUM_PIECES) > 0.25, "too few padding ids preferred for a meaningful test"
+  assert rollouts.tokens.max() < NUM_PIECES
+  encoder = pipeline.Encoder.from_config(padded_setup.config)
+  assert encoder.num_pieces == padded_setup.sampler.num_pieces == NUM_PIECES
+  assert all(isinstance(encoder.decode_completion(c), str) for c in rollouts.completions())
 
 
 def test_logprobs_at_temperature_one_are_minus_the_trainer_cross_entropy(setup):
@@ -199,3 +230,16 @@ def test_sampling_defaults_come_from_maxtext_keys(make_config):
   )
   assert SamplingParams.from_config(config) == SamplingParams("composite", 0.7, 5, 0.9)
   assert SamplingParams.from_config(make_config()).top_p == 1.0  # MaxText's -1 means "no nucleus"
+
+
+def test_decode_program_compiles_ahead_of_time_for_a_tpu_topology(make_config):
+  """On MaxText's v5p-8 compile topology (4 TPU chips this host lacks; libtpu compiles) the sampler builds and its
+  decode program lowers from abstract inputs and compiles: building runs nothing, the batch pads as `sample` pads."""
+  config = make_config("compile_topology=v5p-8", "compile_topology_num_slices=1")
+  mesh = train_compile.get_topology_mesh(config)
+  assert mesh.devices.size == 4 and {d.platform for d in mesh.devices.flat} == {"tpu"}
+  sampler = Sampler(config, mesh)
+  sampling = SamplingParams("weighted", 1.0)
+  compiled = sampler.lower(3, 20, num_samples=2, max_new_tokens=8, sampling=sampling).compile()
+  assert list(sampler._programs) == [(4, 32, 2, 8, sampling)]  # pylint: disable=protected-access
+  assert sampler.num_compiles == 1 and compiled.memory_analysis().temp_size_in_bytes > 0

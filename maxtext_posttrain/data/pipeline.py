@@ -24,6 +24,7 @@ from maxtext.input_pipeline import data_processing_utils
 from maxtext.input_pipeline import input_pipeline_interface
 from maxtext.input_pipeline import input_pipeline_utils
 from maxtext.input_pipeline import multihost_dataloading
+from maxtext.input_pipeline import tokenizer as maxtext_tokenizer
 from maxtext.utils import max_logging
 from maxtext_posttrain.data import sources
 
@@ -100,6 +101,22 @@ class Encoder:
   def decode_completion(self, ids) -> str:
     """The text of generated tokens, without the EOS token that ended them."""
     return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_id])
+
+  @property
+  def num_pieces(self) -> int:
+    """How many ids the tokenizer decodes (0 .. num_pieces - 1).
+
+    MaxText configs pad `vocab_size` past the tokenizer (here a 512-piece tokenizer under any larger embedding), and
+    decoding a padding id fails (sentencepiece: OUT_OF_RANGE), so the sampler never draws one
+    (`losses.logprobs.mask_undecodable`). Each of MaxText's tokenizer classes counts its pieces differently.
+    """
+    if isinstance(self.tokenizer, maxtext_tokenizer.SentencePieceTokenizer):
+      return self.tokenizer._tokenizer_model.vocab_size()  # pylint: disable=protected-access
+    if isinstance(self.tokenizer, maxtext_tokenizer.TikTokenTokenizer):
+      return self.tokenizer.n_words
+    if isinstance(self.tokenizer, maxtext_tokenizer.HFTokenizer):
+      return len(self.tokenizer.tokenizer)  # with its added tokens
+    raise TypeError(f"Cannot count the pieces of a {type(self.tokenizer).__name__}.")
 
 
 def _mask_prompt(prompt_ids, completion_ids, config, pad_id):

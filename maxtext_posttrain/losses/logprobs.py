@@ -5,10 +5,25 @@ distribution whose log-probs are scored: the sampler records them with this func
 them with it, which makes the importance ratio at the first iteration on a batch exactly 1 up to numerics. Top-k
 and top-p truncation are not part of the scored distribution (the trainer has no cheap way to redo them); with
 truncation the recorded log-probs are those of the untruncated tempered distribution.
+
+Ids the tokenizer cannot decode (vocabulary padding: `vocab_size` above the tokenizer's piece count) are not part of
+it either: both sides mask them with `mask_undecodable` before the softmax, so the sampler never draws one and the
+scored distribution is the one sampled from, renormalised over the decodable ids.
 """
 
 import jax
 import jax.numpy as jnp
+
+# Finite rather than -inf, so masked entries stay finite through tempering and log-softmax (no 0 * inf in an
+# entropy), yet far enough below any real logit that their probability is exactly 0 in float32.
+_MASKED_LOGIT = -1e30
+
+
+def mask_undecodable(logits: jax.Array, num_pieces: int) -> jax.Array:
+  """`logits` [..., vocab] with the ids >= num_pieces masked out; unchanged when the tokenizer covers the vocab."""
+  if num_pieces >= logits.shape[-1]:
+    return logits
+  return jnp.where(jnp.arange(logits.shape[-1]) < num_pieces, logits, _MASKED_LOGIT)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float | jax.Array = 1.0) -> jax.Array:

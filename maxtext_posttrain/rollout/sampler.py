@@ -41,6 +41,7 @@ from maxtext.inference import inference_utils
 from maxtext.utils import max_logging
 from maxtext.utils import model_creation_utils
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 
 # Fills the prompt tail and the positions after EOS; never attended to (segment id 0) nor returned.
@@ -60,7 +61,10 @@ class _DecodeGraphs:
   unscan: bool  # the policy's scanned params are split per layer inside the program (see `_unscan`)
   abstract_prefill_cache: nnx.State  # ShapeDtypeStructs (with shardings) of the zero cache prefill starts from
   abstract_cache: nnx.State  # the same for the decode loop's cache, N rows per prompt
-  rest: nnx.State  # the model's remaining state (RNG streams), concrete because nnx.merge needs values
+  # Builds the decode model; the program runs it for the model's remaining state (RNG streams), which nnx.merge needs
+  # as values. Built inside the program, so building the sampler runs nothing and the program lowers from abstract
+  # inputs alone (`Sampler.lower`); XLA drops the unused weight initialisers.
+  create_model: Callable[[], nnx.Module]
 
 
 def _decode_config(
@@ -174,7 +178,7 @@ class SamplingParams:
   smallest set of tokens whose untempered probability reaches top_p, then applies T (MaxText's order; at T = 1,
   the usual setting for RL, the order does not matter); `composite` is top-k, then top-p within it, then T.
   Log-probs are always those of softmax(logits / T) (see `losses/logprobs.py`), T = `temperature` for every
-  strategy including greedy.
+  strategy including greedy. Ids the tokenizer cannot decode (vocabulary padding) are masked out before any of this.
   """
 
   strategy: str = "greedy"
@@ -230,7 +234,8 @@ class Rollouts:
     prompts: the prompt tokens each row continued (after left truncation), one list per row.
     tokens: [rows, max_new_tokens] int32 completion tokens, `pad_id` after each row's end; a stop token that ended
       a row is included.
-    logprobs: [rows, max_new_tokens] float32 log-probs of `tokens` under softmax(logits / T); 0 after the end.
+    logprobs: [rows, max_new_tokens] float32 log-probs of `tokens` under softmax(logits / T) over the ids the
+      tokenizer decodes; 0 after the end.
     lengths: [rows] completion lengths (stop token included).
     finish_reasons: "eos" (ended on EOS or a stop token) or "length" (ran out of max_new_tokens), per row.
     num_truncated_prompts: prompts longer than max_prefill_predict_length that lost their left end.
@@ -255,7 +260,11 @@ class Sampler:
 
   Construct once per (config, rollout mesh) and call `sample` (or `generate` for plain greedy continuations) with
   the policy's current params each time a rollout is needed. Each distinct bucket builds its decode graphs and
-  compiles once; later calls in the same bucket reuse the program (`num_compiles` counts the traces).
+  compiles once; later calls in the same bucket reuse the program (`num_compiles` counts the traces). `lower` gives
+  a bucket's program without running anything, for ahead-of-time compilation on a device topology.
+
+  Only ids the config's tokenizer decodes are sampled: a `vocab_size` padded past the tokenizer's pieces leaves
+  logits for ids that would fail decoding, and those are masked out (`logprobs.mask_undecodable`).
   """
 
   def __init__(self, config: pyconfig.HyperParameters, mesh: jax.sharding.Mesh):
@@ -264,6 +273,7 @@ class Sampler:
     self.prefill_length = config.max_prefill_predict_length
     self.batch_multiple = _batch_multiple(config, mesh)
     self.num_compiles = 0
+    self.num_pieces = pipeline.Encoder.from_config(config).num_pieces
     _, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
     self._abstract_params = nnx.state(abstract_model, nnx.Param)
     self._programs: dict[tuple, tuple[_DecodeGraphs, Callable]] = {}
@@ -311,10 +321,6 @@ class Sampler:
       truncate_prompts: prompts longer than max_prefill_predict_length lose their left end (counted in the result)
         when true and are an error when false; None follows `overlong_policy`.
     """
-    if num_samples < 1:
-      raise ValueError(f"num_samples must be at least 1, got {num_samples}.")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:
       truncate_prompts = self.config.overlong_policy == "truncate"
@@ -340,6 +346,36 @@ class Sampler:
         num_truncated_prompts=num_truncated,
         num_samples=num_samples,
     )
+
+  def lower(
+      self,
+      batch: int,
+      prompt_length: int,
+      num_samples: int,
+      max_new_tokens: int,
+      sampling: SamplingParams | None = None,
+  ) -> jax.stages.Lowered:
+    """The decode program `sample` runs for `batch` prompts of up to `prompt_length` tokens, lowered abstractly.
+
+    Nothing runs, so the mesh may be a topology without devices (MaxText's `train_compile.get_topology_mesh`): the
+    result's `.compile().memory_analysis()` tells on a CPU host whether a rollout fits a TPU slice before a run.
+    Batch padding and prompt bucket are `sample`'s; the program is the one a request with one stop id (EOS) runs.
+    """
+    sampling = sampling or SamplingParams.from_config(self.config)
+    batch, bucket = self._shape(batch, prompt_length)
+    _, decode = self._program(batch, bucket, num_samples, max_new_tokens, sampling)
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
+      return decode.lower(
+          self._abstract_params,
+          spec((batch, bucket), jnp.int32),
+          spec((batch,), jnp.int32),
+          spec((batch,), jnp.bool_),
+          spec((1,), jnp.int32),
+          spec((), key_dtype),
+      )
 
   def _on_mesh(self, params: nnx.State) -> nnx.State:
     """The params on this sampler's shardings: as they are when already there, else one `jax.device_put`."""
@@ -367,15 +403,16 @@ class Sampler:
       max_logging.log(f"{num_truncated} prompts were longer than {self.prefill_length} tokens; kept their right end.")
     return out, num_truncated
 
-  def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts to their bucket and the batch to a multiple of its sharding (with 1-token rows).
-
-    The bucket is the next power of two of the longest prompt, capped at max_prefill_predict_length, so short
-    prompts get a short prefill and a short cache.
-    """
-    longest = max(len(p) for p in prompts)
+  def _shape(self, num_prompts: int, longest: int) -> tuple[int, int]:
+    """(batch, prompt bucket) of a request: the batch padded to a multiple of its sharding, the bucket the next power
+    of two of the longest prompt, capped at max_prefill_predict_length, so short prompts get a short prefill and a
+    short cache."""
     bucket = min(self.prefill_length, max(_MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length()))
-    batch = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
+    return -(-num_prompts // self.batch_multiple) * self.batch_multiple, bucket
+
+  def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts to their bucket and the batch to a multiple of its sharding (with 1-token rows)."""
+    batch, bucket = self._shape(len(prompts), max(len(p) for p in prompts))
     tokens = np.full((batch, bucket), _PAD_ID, dtype=np.int32)
     lengths = np.ones((batch,), dtype=np.int32)
     for i, prompt in enumerate(prompts):
@@ -387,6 +424,10 @@ class Sampler:
       self, batch: int, prefill_length: int, num_samples: int, max_new_tokens: int, sampling: SamplingParams
   ) -> tuple[_DecodeGraphs, Callable]:
     """Builds (once) the prefill and autoregressive graphs and the jitted program for this bucket."""
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be at least 1, got {num_samples}.")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
     key = (batch, prefill_length, num_samples, max_new_tokens, sampling)
     if key not in self._programs:
       max_logging.log(
@@ -410,7 +451,7 @@ class Sampler:
       sampling: SamplingParams,
       unscan: bool,
   ) -> _DecodeGraphs:
-    """Builds the prefill (B rows) and autoregressive (B x N rows) graphs abstractly, and the non-weight state."""
+    """Builds the prefill (B rows) and autoregressive (B x N rows) graphs abstractly; runs nothing."""
     scan_layers = self.config.scan_layers and not unscan
     config = _decode_config(self.config, batch, prefill_length, max_new_tokens, scan_layers)
     config_n = _decode_config(self.config, batch * num_samples, prefill_length, max_new_tokens, scan_layers)
@@ -424,9 +465,6 @@ class Sampler:
     prefill_graph, _, _, _ = nnx.split(prefill_model, nnx.Param, nnx.Cache, ...)
     _, _, abstract_prefill_cache, _ = nnx.split(prefill_cache_model, nnx.Param, nnx.Cache, ...)
     ar_graph, abstract_params, abstract_cache, _ = nnx.split(ar_model, nnx.Param, nnx.Cache, ...)
-    # Materialise only the non-weight state; XLA drops the unused weight initialisers from this program.
-    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
-      rest = jax.jit(lambda: nnx.split(create_ar_model(), nnx.Param, nnx.Cache, ...)[3])()
     return _DecodeGraphs(
         num_samples,
         max_new_tokens,
@@ -437,7 +475,7 @@ class Sampler:
         unscan,
         abstract_prefill_cache,
         abstract_cache,
-        rest,
+        create_ar_model,
     )
 
   def _decode(self, graphs: _DecodeGraphs, params, tokens, lengths, active, stops, rng):
@@ -453,11 +491,12 @@ class Sampler:
     num_samples, max_new_tokens, sampling = graphs.num_samples, graphs.max_new_tokens, graphs.sampling
     rows = batch * num_samples
     zeros = lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding)
+    rest = nnx.split(graphs.create_model(), nnx.Param, nnx.Cache, ...)[3]
 
     positions = jnp.broadcast_to(jnp.arange(prefill_length, dtype=jnp.int32), (batch, prefill_length))
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32) * DECODING_ACTIVE_SEQUENCE_INDICATOR
     prefill_cache = jax.tree.map(zeros, graphs.abstract_prefill_cache)
-    model = nnx.merge(graphs.prefill_graph, params, prefill_cache, graphs.rest, copy=True)
+    model = nnx.merge(graphs.prefill_graph, params, prefill_cache, rest, copy=True)
     logits = model(
         tokens, positions, decoder_segment_ids=segment_ids, enable_dropout=False, model_mode=MODEL_MODE_PREFILL
     )
@@ -475,6 +514,7 @@ class Sampler:
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(rows))
 
     def draw(logits, step):
+      logits = logprobs_lib.mask_undecodable(logits, self.num_pieces)
       token = sampling.draw(logits, jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step))
       return token, logprobs_lib.token_logprobs(logits, token, sampling.temperature)
 
@@ -491,7 +531,7 @@ class Sampler:
     def body(carry):
       step, cache, out, out_logprobs, done, num = carry
       previous = jax.lax.dynamic_slice_in_dim(out, step - 1, 1, axis=1)
-      model = nnx.merge(graphs.autoregressive_graph, params, cache, graphs.rest, copy=True)
+      model = nnx.merge(graphs.autoregressive_graph, params, cache, rest, copy=True)
       logits = model(previous, (lengths + step - 1)[:, None], enable_dropout=False, model_mode=MODEL_MODE_AUTOREGRESSIVE)
       token, logprob = draw(logits[:, 0], step)
       token, logprob = jnp.where(done, _PAD_ID, token), jnp.where(done, 0.0, logprob)
