@@ -6,11 +6,15 @@ A run is configured exactly like a MaxText run: a yml whose `base_config:` chain
 fields below are added only where MaxText has none. Unknown keys fail the way they fail in MaxText.
 """
 
+import difflib
 import os
-from typing import Literal
+import re
+from typing import Any, Literal
 
 import jax
+import omegaconf
 import pathwaysutils
+import pydantic
 from pydantic import Field, model_validator
 
 from maxtext.configs import pyconfig
@@ -21,6 +25,9 @@ from maxtext.utils import train_utils
 # Relative asset paths in our configs (e.g. the bundled tokenizer) resolve from the current directory first,
 # then from the directory that holds the package, so runs work from any working directory.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The configs shipped with the package; `initialize` finds one by file name when no such path exists.
+BUNDLED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 # `grain_file_type` values that this package reads itself (MaxText's own grain types keep their readers).
 POSTTRAIN_FILE_TYPES = ("tfds", "jsonl")
@@ -41,12 +48,18 @@ class Preference(types.DPO):
   )
 
 
-# MaxText's `rl.loss_agg_mode` spellings (Tunix's) -> the aggregation modes of `losses.policy_gradient` (verl's).
+# `rl.loss_agg_mode` -> the aggregation modes of `losses.policy_gradient` (named as verl names them). MaxText's
+# rl.yml hands the key to Tunix, so Tunix's spellings mean what Tunix's aggregate_loss computes (tunix/rl/common.py,
+# called by its GRPO loss without a `norm`, on completions padded to the generation budget); verl's `seq-*`
+# spellings mean what verl's agg_loss computes. Where the two libraries share a spelling they agree.
 AGG_MODE_ALIASES = {
     "token-mean": "token-mean",
     "sequence-mean-token-mean": "seq-mean-token-mean",
-    "sequence-mean-token-sum": "seq-mean-token-sum",
-    "sequence-mean-token-sum-norm": "seq-mean-token-sum-norm",
+    # Tunix: each completion's token sum over the padded completion width, the generation budget; averaged over
+    # completions (Dr.GRPO's constant normalisation, and verl's seq-mean-token-sum-norm).
+    "sequence-mean-token-scale": "seq-mean-token-sum-norm",
+    # Tunix: the batch's token sum over `norm`, which defaults to the number of non-empty completions.
+    "sequence-mean-token-sum-norm": "seq-mean-token-sum",
     "seq-mean-token-mean": "seq-mean-token-mean",
     "seq-mean-token-sum": "seq-mean-token-sum",
     "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
@@ -65,8 +78,10 @@ class RL(types.RL):
   )
   loss_agg_mode: Literal[tuple(AGG_MODE_ALIASES)] = Field(
       "sequence-mean-token-mean",
-      description="token-mean (DAPO), sequence-mean-token-mean (GRPO), sequence-mean-token-sum, "
-      "sequence-mean-token-sum-norm (Dr.GRPO: divided by the generation budget); the seq-* spellings are accepted.",
+      description="Tunix's token-mean (DAPO), sequence-mean-token-mean (GRPO), sequence-mean-token-scale (Dr.GRPO: "
+      "each completion's token sum divided by the generation budget), seq-mean-token-sum and "
+      "sequence-mean-token-sum-norm (both: the token sum divided by the completion count); verl's "
+      "seq-mean-token-mean and seq-mean-token-sum-norm (= sequence-mean-token-scale).",
   )
   advantage_estimator: Literal["grpo", "rloo"] = Field(
       "grpo", description="grpo: group-normalised rewards; rloo: reward minus the mean of the other G - 1."
@@ -103,7 +118,7 @@ class RL(types.RL):
 # DAPO (Yu et al. 2025) clip-higher 0.28 and token-mean; GSPO (Zheng et al. 2025) sequence clip range 3e-4 / 4e-4.
 RL_PRESETS = {
     "grpo": {},
-    "drgrpo": {"scale_rewards": False, "loss_agg_mode": "sequence-mean-token-sum-norm", "grpo_beta": 0.0},
+    "drgrpo": {"scale_rewards": False, "loss_agg_mode": "sequence-mean-token-scale", "grpo_beta": 0.0},
     "dapo": {
         "epsilon_high": 0.28,
         "loss_agg_mode": "token-mean",
@@ -256,6 +271,87 @@ def preference(config) -> Preference:
   return config.dpo if isinstance(config.dpo, Preference) else Preference(**config.dpo)
 
 
+def resolve_config_file(path: str) -> str:
+  """`path` if it exists, else the bundled config of that file name (`sft.yml`, ...), so the package's configs run
+  from any directory and from an installed wheel; raises FileNotFoundError naming both places otherwise (MaxText's
+  own resolution would report a rewritten `src/...` path instead)."""
+  if os.path.isfile(path):
+    return path
+  bundled = os.path.join(BUNDLED_CONFIGS, path)
+  if os.sep not in path and os.path.isfile(bundled):
+    return bundled
+  names = ", ".join(sorted(n for n in os.listdir(BUNDLED_CONFIGS) if n.endswith(".yml")))
+  raise FileNotFoundError(
+      f"Config file {path!r} does not exist (here: {os.getcwd()}), nor is it a bundled config: {names}."
+  )
+
+
+def _base_config_file(config_file: str, base: str) -> str:
+  """Where MaxText's `_load_config` finds a `base_config:` — relative to the yml naming it, else in MaxText's configs."""
+  if os.path.isabs(base):
+    return base
+  beside = os.path.join(os.path.dirname(config_file), base)
+  return beside if os.path.isfile(beside) else os.path.join(pyconfig.MAXTEXT_CONFIGS_DIR, base)
+
+
+def _is_section(annotation: Any) -> bool:
+  return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
+
+
+def _unknown_keys(keys: dict, model: type[pydantic.BaseModel], prefix: str = "") -> list[tuple[str, list[str]]]:
+  """(dotted key, valid names closest to it) for each key that `model` does not have, recursing into sections
+  (`rl:`, `lora:`, `dpo:`). At the top level a key is valid by MaxText's rule (`pyconfig._check_for_invalid_keys`: a
+  field of the config or of any of its sections; multimodal keys too, which MaxText skips); inside a section it must
+  be one of the section's fields, which pydantic would otherwise drop without a word (`rl.num_generatons=4`)."""
+  fields = model.model_fields
+  names = set(fields)
+  if not prefix:
+    names |= {
+        name for field in fields.values() if _is_section(field.annotation) for name in field.annotation.model_fields
+    }
+    names |= set(types.Multimodal.model_fields)
+  unknown = []
+  for key, value in keys.items():
+    if key not in names:
+      close = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.7)
+      unknown.append((prefix + key, [prefix + name for name in close]))
+    elif isinstance(value, dict) and key in fields and _is_section(fields[key].annotation):
+      unknown += _unknown_keys(value, fields[key].annotation, f"{prefix}{key}.")
+  return unknown
+
+
+def _line_of(config_file: str, key: str) -> str:
+  """' line N' of the yml line that sets the first part of `key`, or '' if it cannot be told."""
+  with open(config_file, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if re.match(rf"\s*{re.escape(key.rsplit('.', 1)[-1])}\s*:", line):
+        return f" line {number}"
+  return ""
+
+
+def check_keys(config_file: str, overrides: list[str]) -> None:
+  """Raises MaxText's ValueError for an unknown key, but saying first which key, where it is set (the yml and line,
+  or the command line) and the closest valid names, instead of MaxText's list of all ~1,000 valid keys."""
+  sources, path = [], config_file
+  while path is not None:  # the yml and its base_config chain, down to MaxText's base.yml
+    keys = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path))
+    base = keys.pop("base_config", None)
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(pyconfig.MAXTEXT_CONFIGS_DIR):
+      sources.append((path, keys))
+    path = _base_config_file(path, base) if base else None
+  sources.append(("the command line", omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.from_cli(overrides))))
+  for where, keys in sources:
+    unknown = _unknown_keys(keys, PostTrainConfig)
+    if unknown:
+      key, close = unknown[0]
+      place = "on the command line" if where == "the command line" else f"in {where}{_line_of(where, key)}"
+      hint = f"did you mean {' or '.join(map(repr, close))}?" if close else "no valid key is close to it."
+      raise ValueError(
+          f"Unknown config key {key!r} {place}: {hint} Valid keys are MaxText's (its base.yml and configs/types.py) "
+          "plus those of maxtext_posttrain/config.py."
+      )
+
+
 def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
   """Builds the config from MaxText-style argv (`[prog, config.yml, key=value, ...]`), checks it, and applies the
   process-wide settings MaxText's train.py applies.
@@ -267,6 +363,9 @@ def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
   # pylint: disable=import-outside-toplevel
   from maxtext_posttrain import objectives
 
+  if len(argv) >= 2 and argv[1].endswith(".yml"):
+    argv = [argv[0], resolve_config_file(argv[1]), *argv[2:]]
+    check_keys(argv[1], argv[2:])
   pathwaysutils.initialize()
   config = pyconfig.initialize(argv, config_class=PostTrainConfig, **kwargs)
   objectives.get(config.posttrain_mode)  # fails listing the registered modes

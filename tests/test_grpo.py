@@ -12,6 +12,7 @@ from flax.linen import partitioning as nn_partitioning
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import objectives
 from maxtext_posttrain import trainer
+from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives import grpo
 from maxtext_posttrain.rewards import shaping
 from tests import run_utils
@@ -33,7 +34,7 @@ def test_modes_are_presets_of_maxtexts_rl_keys_and_a_set_key_wins(make_config):
   assert (dapo.loss_agg_mode, dapo.epsilon_high, dapo.dynamic_sampling, dapo.grpo_beta) == ("token-mean", 0.28, True, 0)
   assert dapo.overlong_buffer_length == (96 - 64) // 4  # a quarter of the generation budget, in tokens
   drgrpo = make_config("posttrain_mode=drgrpo", config_file=GRPO).rl
-  assert (drgrpo.scale_rewards, drgrpo.loss_agg_mode) == (False, "sequence-mean-token-sum-norm")
+  assert (drgrpo.scale_rewards, drgrpo.loss_agg_mode) == (False, "sequence-mean-token-scale")
   gspo_token = make_config("posttrain_mode=gspo_token", "rl.grpo_beta=0.02", config_file=GRPO).rl
   assert (gspo_token.loss_algo, gspo_token.grpo_epsilon, gspo_token.grpo_beta) == ("gspo-token", 3e-4, 0.02)
   assert make_config("posttrain_mode=rloo", config_file=GRPO).rl.advantage_estimator == "rloo"
@@ -41,6 +42,45 @@ def test_modes_are_presets_of_maxtexts_rl_keys_and_a_set_key_wins(make_config):
   rl = make_config("rl.loss_algo=gspo-token", "rl.loss_agg_mode=token-mean", config_file=GRPO).rl
   assert (rl.loss_algo, rl.epsilon_high) == ("gspo-token", 0.2)
   assert grpo.GRPO(make_config("rl.loss_algo=gspo-token", config_file=GRPO)).algo == "gspo_token"
+
+
+@pytest.mark.parametrize(
+    "spelling, mode",
+    [
+        # Tunix's spellings (tunix/rl/common.py aggregate_loss), where MaxText's rl.yml sends rl.loss_agg_mode.
+        ("token-mean", "token-mean"),
+        ("sequence-mean-token-mean", "seq-mean-token-mean"),
+        ("sequence-mean-token-scale", "seq-mean-token-sum-norm"),  # per-sequence sums over the generation budget
+        ("seq-mean-token-sum", "seq-mean-token-sum"),
+        ("sequence-mean-token-sum-norm", "seq-mean-token-sum"),  # Tunix's norm defaults to the non-empty sequences
+        # verl's (verl/trainer/ppo/core_algos.py agg_loss).
+        ("seq-mean-token-mean", "seq-mean-token-mean"),
+        ("seq-mean-token-sum-norm", "seq-mean-token-sum-norm"),
+    ],
+)
+def test_loss_agg_mode_spellings_resolve_to_their_librarys_mode(make_config, spelling, mode):
+  objective = grpo.GRPO(make_config(f"rl.loss_agg_mode={spelling}", config_file=GRPO))
+  assert (objective.agg_mode, objective.max_new_tokens) == (mode, 96 - 64)
+
+
+@pytest.mark.parametrize("spelling", ["sequence-mean", "sequence-mean-token-sum"])
+def test_loss_agg_mode_spellings_no_library_defines_are_refused(make_config, spelling):
+  """MaxText's types.py lists `sequence-mean`, which Tunix's aggregate_loss refuses; neither Tunix nor verl spells
+  `sequence-mean-token-sum`."""
+  with pytest.raises(ValueError, match="loss_agg_mode"):
+    make_config(f"rl.loss_agg_mode={spelling}", config_file=GRPO)
+
+
+def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make_config):
+  """Dr.GRPO (Liu et al. 2025): 1/G sum_i sum_t loss_it / MAX_TOKENS, MAX_TOKENS the generation budget (96 - 64)."""
+  objective = grpo.GRPO(make_config("posttrain_mode=drgrpo", config_file=GRPO))
+  rng = np.random.default_rng(0)
+  values = rng.normal(size=(4, 96)).astype(np.float32)
+  mask = np.zeros((4, 96), np.float32)
+  for row, length in enumerate([32, 5, 17, 1]):
+    mask[row, 64 : 64 + length] = 1
+  total, weight = policy_gradient.aggregate(values, mask, objective.agg_mode, objective.max_new_tokens)
+  np.testing.assert_allclose(total / weight, np.mean(np.sum(values * mask, axis=1) / 32), rtol=1e-5)
 
 
 @pytest.mark.parametrize(

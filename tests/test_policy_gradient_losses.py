@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.losses import policy_gradient
 
 N, T = 6, 9
@@ -247,6 +248,85 @@ def test_sum_norm_defaults_to_the_padded_length():
   values, mask = jnp.ones((2, 5)), jnp.asarray([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
   total, weight = policy_gradient.aggregate(values, mask, "seq-mean-token-sum-norm")
   np.testing.assert_allclose(total / weight, (2 / 5 + 4 / 5) / 2, rtol=1e-6)
+
+
+# The rl.loss_agg_mode spellings that Tunix defines (google-tunix 0.1.7, tunix/rl/common.py aggregate_loss, where
+# MaxText's rl.yml sends the key) and verl's (verl 0.9.1, verl/trainer/ppo/core_algos.py agg_loss).
+TUNIX_MODES = (
+    "token-mean",
+    "sequence-mean-token-mean",
+    "sequence-mean-token-scale",
+    "seq-mean-token-sum",
+    "sequence-mean-token-sum-norm",
+)
+VERL_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+PROMPT, BUDGET = 3, 7  # prompt positions before each completion, and the generation budget
+
+
+def _tunix_aggregate(values, mask, mode):
+  """Tunix's aggregate_loss as its GRPO loss calls it (no `norm`), on completions padded to the budget as Tunix pads
+  them (`max_tokens_to_generate`), so the row width is the budget."""
+  masked, tokens = values * mask, mask.sum(1)
+  non_zero_rows = max(np.sum(tokens > 0), 1)
+  if mode == "token-mean":
+    return masked.sum() / max(mask.sum(), 1)
+  if mode == "sequence-mean-token-mean":
+    return np.sum(masked.sum(1) / np.maximum(tokens, 1)) / non_zero_rows
+  if mode == "sequence-mean-token-scale":  # norm defaults to the row width
+    return np.sum(masked.sum(1) / masked.shape[-1]) / non_zero_rows
+  if mode == "seq-mean-token-sum":
+    return np.sum(masked.sum(1) * (tokens > 0)) / max(np.sum(tokens > 0), 1e-6)
+  assert mode == "sequence-mean-token-sum-norm"  # norm defaults to the non-empty rows
+  return masked.sum() / non_zero_rows
+
+
+def _verl_agg_loss(values, mask, mode):
+  """verl's agg_loss on one data-parallel rank, with no global batch sizes and no loss_scale_factor."""
+  masked, tokens = values * mask, mask.sum(1)
+  seq_mask = tokens > 0
+  if mode == "token-mean":
+    return masked.sum() / mask.sum()
+  if mode == "seq-mean-token-mean":
+    return np.sum((masked.sum(1) / (tokens + 1e-8))[seq_mask]) / seq_mask.sum()
+  loss = np.sum(masked.sum(1)[seq_mask]) / seq_mask.sum()
+  assert mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm")
+  return loss / mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss  # loss_scale_factor: the row width
+
+
+def test_the_accepted_spellings_are_tunixs_and_verls():
+  assert set(config_lib.AGG_MODE_ALIASES) == set(TUNIX_MODES + VERL_MODES)
+
+
+@pytest.mark.parametrize("spelling", sorted(set(TUNIX_MODES + VERL_MODES)))
+def test_each_spelling_keeps_the_meaning_of_the_library_that_defines_it(spelling):
+  """Completion values as Tunix and verl see them ([N, BUDGET]) against ours: the same completions after PROMPT
+  positions, aggregated with max_length=BUDGET; value, gradient, and microbatches adding up to the batch."""
+  rng = np.random.default_rng(4)
+  lengths = np.array([7, 3, 1, 0, 5, 6])  # a full-budget completion, an empty row
+  mask = (np.arange(BUDGET)[None, :] < lengths[:, None]).astype(np.float64)
+  values = rng.normal(size=(N, BUDGET))
+  ours_mask = np.pad(mask, ((0, 0), (PROMPT, 0))).astype(np.float32)
+  ours_values = np.pad(values, ((0, 0), (PROMPT, 0)), constant_values=np.nan).astype(np.float32)
+  mode = config_lib.AGG_MODE_ALIASES[spelling]
+
+  def loss(x):
+    total, weight = policy_gradient.aggregate(x, ours_mask, mode, max_length=BUDGET)
+    return total / weight
+
+  value, grad = jax.value_and_grad(loss)(jnp.asarray(ours_values))
+  libraries = [f for modes, f in ((TUNIX_MODES, _tunix_aggregate), (VERL_MODES, _verl_agg_loss)) if spelling in modes]
+  for reference in libraries:
+    np.testing.assert_allclose(value, reference(values, mask, spelling), rtol=1e-5)
+    ref_grad = _central_differences(lambda x, f=reference: f(x, mask, spelling), values, mask)
+    np.testing.assert_allclose(grad[:, PROMPT:], ref_grad, rtol=1e-4, atol=1e-7)
+  assert np.all(np.asarray(grad)[ours_mask == 0] == 0)
+
+  batch = policy_gradient.aggregate(jnp.asarray(ours_values), ours_mask, mode, max_length=BUDGET)
+  halves = [
+      policy_gradient.aggregate(jnp.asarray(ours_values[rows]), ours_mask[rows], mode, max_length=BUDGET)
+      for rows in (slice(0, 4), slice(4, N))
+  ]
+  np.testing.assert_allclose([sum(t for t, _ in halves), sum(w for _, w in halves)], batch, rtol=1e-6)
 
 
 @pytest.mark.parametrize("estimator", policy_gradient.KL_ESTIMATORS)

@@ -26,12 +26,15 @@ def aggregate(
 ) -> tuple[jax.Array, jax.Array]:
   """Reduces per-token values to (total, weight), the aggregated value being total / weight.
 
-  Both are sums over sequences, so the totals and weights of microbatches add up to those of the whole batch.
-  With m the mask, n_i = sum_t m_it and S the number of sequences with n_i > 0:
+  Both are sums over sequences, so the totals and weights of microbatches add up to those of the whole batch (the
+  normaliser max_length is a constant, so this holds in every mode). The modes are verl's agg_loss modes;
+  `config.AGG_MODE_ALIASES` maps Tunix's spellings onto them. With m the mask, n_i = sum_t m_it and S the number of
+  sequences with n_i > 0:
     token-mean:               sum_it m v / sum_it m          (DAPO's token-level loss: every token weighs the same)
     seq-mean-token-mean:      sum_i (sum_t m v / n_i) / S    (GRPO's 1/G sum_i 1/|o_i| sum_t: every sequence does)
-    seq-mean-token-sum:       sum_it m v / S
-    seq-mean-token-sum-norm:  sum_it m v / (max_length S)    (Dr.GRPO: a constant in place of 1/|o_i|)
+    seq-mean-token-sum:       sum_it m v / S                 (also Tunix's sequence-mean-token-sum-norm)
+    seq-mean-token-sum-norm:  sum_it m v / (max_length S)    (Dr.GRPO: a constant in place of 1/|o_i|; Tunix's
+                                                              sequence-mean-token-scale)
 
   Args:
     values: [N, T] per-token values; entries outside the mask are ignored, even if not finite.

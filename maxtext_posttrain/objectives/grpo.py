@@ -16,6 +16,7 @@ rollout batch is trained on for mu steps (GRPO's inner iterations), the old log-
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,18 @@ def training_rows(
   return rows
 
 
-def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, enable_dropout: bool = False):
-  """[N, L] log-probs of the targets under softmax(logits / T), and the [N, L, V] tempered logits."""
+def token_logps(
+    model,
+    batch: dict[str, jax.Array],
+    temperature: jax.Array,
+    num_pieces: int | None = None,
+    enable_dropout: bool = False,
+):
+  """[N, L] log-probs of the targets under softmax(logits / T), and the [N, L, V] tempered logits.
+
+  With `num_pieces` (the tokenizer's) the ids it cannot decode are masked out as the sampler masks them, so the
+  scored distribution is the sampled one; None scores the whole vocabulary.
+  """
   logits = model(
       decoder_input_tokens=batch["inputs"],
       decoder_positions=batch["positions"],
@@ -77,12 +88,9 @@ def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, enab
       enable_dropout=enable_dropout,
   )
   logits = logits.astype(jnp.float32) / temperature
+  if num_pieces is not None:
+    logits = logprobs_lib.mask_undecodable(logits, num_pieces)
   return logprobs_lib.token_logprobs(logits, batch["targets"]), logits
-
-
-def target_logps(model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
-  """[N, L] log-probs of the targets under a frozen model: the reference's, or the old policy's when recomputed."""
-  return token_logps(model, batch, temperature)[0]
 
 
 @dataclasses.dataclass
@@ -104,7 +112,13 @@ class GRPO(Objective):
 
   name = "grpo"
   batch_keys = ROW_KEYS
-  progress_metrics = {"reward": "rl/reward_mean"}
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """The rollouts' mean shaped reward, and the KL to the reference when the loss has a KL term."""
+    figures = {"reward": float(scalars["rl/reward_mean"])}
+    if self.rl.grpo_beta > 0:
+      figures["kl"] = float(scalars["learning/kl"])
+    return figures
 
   def __init__(self, config):
     super().__init__(config)
@@ -119,6 +133,7 @@ class GRPO(Objective):
     self.sampling = rollout.SamplingParams.from_config(config)
     self.rewards = rewards_lib.RewardSet(rl.rewards, rl.reward_weights or [1.0] * len(rl.rewards), rl.reward_on_error)
     self.encoder = pipeline.Encoder.from_config(config)
+    self.num_pieces = self.encoder.num_pieces  # ids the sampler can draw; the loss scores the same distribution
     self.train_prompts = self.eval_prompts = None
     self._sampler = None
     self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false
@@ -175,15 +190,19 @@ class GRPO(Objective):
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the trainer scores the rollouts before the step
       self._old_policy = self._old_policy or roles.FrozenModel(self.config, loop.mesh, None, None)
       self._old_policy.graphdef, self._old_policy.state = nnx.split(loop.policy())
-      batch["old_logps"] = self._old_policy.run(target_logps, batch, temperature)
+      batch["old_logps"] = self._old_policy.run(self._target_logps, batch, temperature)
     if self.rl.grpo_beta > 0:
       start = time.perf_counter()
-      batch[REFERENCE_KEY] = jax.block_until_ready(loop.role("reference").run(target_logps, batch, temperature))
+      batch[REFERENCE_KEY] = jax.block_until_ready(loop.role("reference").run(self._target_logps, batch, temperature))
       metrics["rl/reference_seconds"] = time.perf_counter() - start
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer
     self._batch = batch
     self.step_metrics = metrics
     return self._batch
+
+  def _target_logps(self, model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
+    """[N, L] log-probs of the targets under a frozen model: the reference's, or the old policy's when recomputed."""
+    return token_logps(model, batch, temperature, self.num_pieces)[0]
 
   def _indices(self, batch) -> list[int]:
     """This step's prompt indices (every process gets the whole global batch)."""
@@ -272,7 +291,7 @@ class GRPO(Objective):
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
     config, rl = self.config, self.rl
     logps, logits = token_logps(
-        model, batch, self.sampling.temperature, enable_dropout=config.enable_dropout and is_train
+        model, batch, self.sampling.temperature, self.num_pieces, enable_dropout=config.enable_dropout and is_train
     )
     mask = batch["completion_mask"]
     old_logps = jax.lax.stop_gradient(logps) if rl.force_on_policy_ratio else batch["old_logps"]
@@ -304,6 +323,7 @@ class GRPO(Objective):
     params = lora.policy_params(loop.policy(), self.config)
     metrics, samples = evaluate_lib.evaluate(self.sampler(loop), params, self.eval_prompts, self.config, self.encoder)
     loop.cache["generations"] = samples
+    loop.cache.setdefault("evaluations", {})[loop.step] = samples  # with per-prompt scores, for paired comparisons
     return {f"eval/{name}": value for name, value in metrics.items()}
 
 
