@@ -60,7 +60,7 @@ setuptools.setup(
     description="Post-training (SFT, preference tuning, RL, distillation) as a MaxText plugin.",
     python_requires=">=3.12",
     packages=setuptools.find_packages(include=["maxtext_posttrain", "maxtext_posttrain.*"]),
-    package_data={"maxtext_posttrain": ["assets/*.model"]},
+    package_data={"maxtext_posttrain": ["assets/*.model", "configs/*.yml"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

@@ -9,7 +9,7 @@ draws the next token from the last real position. Its steps all cost the same (s
 `--baseline_steps` steps and scaled to the full count when that is fewer (the JSON says which). MaxText's own
 OfflineEngine is tried on the same config; where it cannot run, the row says why.
 
-  python -m benchmarks.decode [configs/sft.yml] [key=value ...] [--prompts=8] [--samples=4] [--new_tokens=128]
+  python -m benchmarks.decode [sft.yml] [key=value ...] [--prompts=8] [--samples=4] [--new_tokens=128]
       [--repeats=3] [--baseline_steps=128] [--output=path.json]
 """
 

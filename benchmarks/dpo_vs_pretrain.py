@@ -7,7 +7,7 @@ jitted by MaxText's `train_utils.jit_train_step` with the same state shardings a
 one process; the pretraining batch is the pairs' chosen rows. Prints and writes JSON rows
 `{objective, step_time_s, reference_time_s, train_time_s, pretrain_step_time_s, ratio, predicted_ratio}`.
 
-  python -m benchmarks.dpo_vs_pretrain [configs/dpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
+  python -m benchmarks.dpo_vs_pretrain [dpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
 
 import statistics
@@ -43,7 +43,7 @@ def _timed(fn, *args):
 
 
 def main(argv):
-  args = harness.parse(argv, default_config="configs/dpo.yml")
+  args = harness.parse(argv, default_config="dpo.yml")
   repeats = int(args.flag("repeats", "10"))
   output = args.flag("output", "benchmark_dpo_vs_pretrain.json")
   config = args.config("dpo", "dpo.max_prompt_length=128")

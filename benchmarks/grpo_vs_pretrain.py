@@ -10,7 +10,7 @@ pretraining batch is the GRPO rows themselves (prompt + completion tokens, with 
 Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, reference_time_s, train_time_s,
 pretrain_step_time_s, train_ratio}`.
 
-  python -m benchmarks.grpo_vs_pretrain [configs/grpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
+  python -m benchmarks.grpo_vs_pretrain [grpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
 
 import statistics
@@ -38,7 +38,7 @@ def _pretraining_batch(batch):
 
 
 def main(argv):
-  args = harness.parse(argv, default_config="configs/grpo.yml")
+  args = harness.parse(argv, default_config="grpo.yml")
   repeats = int(args.flag("repeats", "5"))
   output = args.flag("output", "benchmark_grpo_vs_pretrain.json")
   # One prompt per device x 8 samples: as many rows as the SFT and DPO benchmarks' pretraining batch.

@@ -1,8 +1,8 @@
 """What the benchmarks share: the benchmark model and their command line.
 
-  python -m benchmarks.<name> [configs/sft.yml] [key=value ...] [--flag=value ...]
+  python -m benchmarks.<name> [sft.yml] [key=value ...] [--flag=value ...]
 
-A leading yml replaces the benchmark's config (configs/sft.yml unless it says otherwise); `key=value` arguments override the config after BENCHMARK_MODEL; `--flags`
+A leading yml replaces the benchmark's config (sft.yml unless it says otherwise); `key=value` arguments override the config after BENCHMARK_MODEL; `--flags`
 are the benchmark's own options.
 """
 
@@ -63,7 +63,7 @@ def _initialize(config_file: str, run_name: str, *keys: str):
   )
 
 
-def parse(argv, default_config: str = "configs/sft.yml") -> Args:
+def parse(argv, default_config: str = "sft.yml") -> Args:
   flags = dict(a[2:].split("=", 1) for a in argv[1:] if a.startswith("--"))
   args = [a for a in argv[1:] if not a.startswith("--")]
   config_file = args.pop(0) if args and args[0].endswith(".yml") else default_config

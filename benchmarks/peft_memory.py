@@ -10,7 +10,7 @@ LoRA's share of a kernel is rank * (in + out) / (in * out), so it shrinks as mod
 bits of each dtype (nf4 codes are 4 bits, as on TPU; a CPU buffer may hold them unpacked). Weights are bf16
 (`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs int8. Prints and writes JSON rows.
 
-  python -m benchmarks.peft_memory [configs/sft.yml] [key=value ...] [--repeats=N] [--models=llama2-7b,...]
+  python -m benchmarks.peft_memory [sft.yml] [key=value ...] [--repeats=N] [--models=llama2-7b,...]
       [--variants=full,lora_r8,...] [--output=path.json]
 """
 

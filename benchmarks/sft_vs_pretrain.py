@@ -4,7 +4,7 @@ Both steps are jitted by MaxText's `train_utils.jit_train_step` with the same st
 run on the same SFT batch (a packed batch is a valid pretraining batch) in one process, alternating, so machine
 noise hits both alike. Prints and writes JSON rows `{objective, step_time_s, pretrain_step_time_s, ratio}`.
 
-  python -m benchmarks.sft_vs_pretrain [configs/sft.yml] [key=value ...] [--repeats=N] [--output=path.json]
+  python -m benchmarks.sft_vs_pretrain [sft.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
 
 import statistics

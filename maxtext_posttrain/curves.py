@@ -28,7 +28,9 @@ _REWARD_WINDOW = 20
 
 def _is_accuracy(key: str) -> bool:
   name = key.removeprefix("eval/")
-  return key.startswith("eval/") and (name.endswith("accuracy") or name.startswith(("pass_at_", "maj_at_")))
+  if not key.startswith("eval/") or name.endswith("_stderr"):
+    return False
+  return name.endswith("accuracy") or name.startswith(("pass_at_", "maj_at_"))
 
 
 def plot_run(metrics_file: str, png_path: str) -> str:
@@ -68,7 +70,16 @@ def plot_run(metrics_file: str, png_path: str) -> str:
   keys = sorted({k for row in evals.values() for k in row if _is_accuracy(k)})
   for key in keys:
     points = sorted(s for s in evals if key in evals[s])
-    acc_ax.plot(points, [evals[s][key] for s in points], "o-", label=key.removeprefix("eval/").replace("_", " "))
+    # Sampled metrics carry a bootstrap standard error over prompts (`maxtext_posttrain.evaluate`).
+    errors = [evals[s].get(f"{key}_stderr", 0.0) for s in points]
+    acc_ax.errorbar(
+        points,
+        [evals[s][key] for s in points],
+        yerr=errors,
+        fmt="o-",
+        capsize=3,
+        label=key.removeprefix("eval/").replace("_", " "),
+    )
   acc_ax.set(xlabel="step", ylabel="fraction of held-out examples", ylim=(-0.02, 1.02), title="Held-out accuracy")
   acc_ax.legend()
   fig.tight_layout()

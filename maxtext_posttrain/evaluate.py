@@ -1,7 +1,7 @@
 """Sampled evaluation on held-out prompts: pass@1, unbiased pass@k, maj@k, format and partial accuracy.
 
   python -m maxtext_posttrain.evaluate <config.yml> load_parameters_path=<params> [key=value ...]
-  python -m maxtext_posttrain.evaluate configs/sft_lora.yml load_parameters_path=<base> lora.lora_restore_path=<adapters>
+  python -m maxtext_posttrain.evaluate sft_lora.yml load_parameters_path=<base> lora.lora_restore_path=<adapters>
 
 Each of the first `eval_generation_examples` held-out prompts (all of them when 0) gets `eval_samples_per_prompt`
 completions, sampled with MaxText's `decode_sampling_*` keys by the rollout sampler (MaxText's KV-cache decode
@@ -13,8 +13,10 @@ path), and each completion is scored with the math rewards. Per prompt, with n s
   format  the share of samples ending in a well-formed `#### <number>` line
   partial the share of samples within 10% of the reference answer (correct ones included)
 
-averaged over prompts. Sampling uses one fixed key (`rl.sampling_seed`), so two checkpoints are compared on the same
-random draws. The command writes `<base_output_directory>/<run_name>/evaluation.json` and `evaluation.png`; RL
+averaged over prompts, each with its standard error: the spread of that average over prompt sets resampled with
+replacement (a bootstrap over prompts, seeded), so a reader can tell a gain from the noise of one draw of samples.
+Sampling uses one fixed key (`rl.sampling_seed`), so two checkpoints are compared on the same random draws, and
+`paired_stderr` gives the standard error of their difference over the same prompts. The command writes `<base_output_directory>/<run_name>/evaluation.json` and `evaluation.png`; RL
 objectives run the same evaluation every `eval_interval` steps.
 """
 
@@ -24,7 +26,6 @@ import json
 import os
 from typing import Sequence
 
-from absl import app
 import jax
 import matplotlib
 import numpy as np
@@ -32,6 +33,7 @@ from flax import nnx
 
 from maxtext.utils import max_logging
 from maxtext.utils import maxtext_utils
+from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
@@ -68,8 +70,31 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
   return next(answer for answer, key in zip(answers, keys) if key is not None and counts[key] == top)
 
 
-def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[int]) -> dict[str, float]:
-  """The metrics of module doc over prompts; `texts[p]` are prompt p's n sampled completions (decoded)."""
+_BOOTSTRAP_RESAMPLES = 2000
+
+
+def _bootstrap_rows(num_prompts: int, seed: int = 0) -> np.ndarray:
+  """[resamples, num_prompts] prompt indices drawn with replacement, the same for every metric and model."""
+  return np.random.default_rng(seed).integers(0, num_prompts, size=(_BOOTSTRAP_RESAMPLES, num_prompts))
+
+
+def stderr(per_prompt: dict[str, Sequence[float]]) -> dict[str, float]:
+  """The bootstrap standard error over prompts of each metric's mean."""
+  rows = _bootstrap_rows(len(next(iter(per_prompt.values()))))
+  return {name: float(np.std(np.asarray(values)[rows].mean(axis=1), ddof=1)) for name, values in per_prompt.items()}
+
+
+def paired_stderr(before: dict[str, Sequence[float]], after: dict[str, Sequence[float]]) -> dict[str, float]:
+  """The bootstrap standard error of each metric's mean difference `after - before` over the same prompts,
+  resampled together (two models on the same prompts and draws err alike, so the difference is surer than
+  either)."""
+  return stderr({name: np.asarray(after[name]) - np.asarray(before[name]) for name in before})
+
+
+def per_prompt_scores(
+    texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[int]
+) -> dict[str, list[float]]:
+  """The metrics of the module doc for each prompt; `texts[p]` are prompt p's n sampled completions (decoded)."""
   n = len(texts[0])
   if any(len(group) != n for group in texts):
     raise ValueError("Every prompt needs the same number of samples.")
@@ -85,7 +110,12 @@ def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[i
       per_prompt[f"pass_at_{k}"].append(pass_at_k(n, int(sum(correct)), k))
       majority = majority_answer(stated[:k])
       per_prompt[f"maj_at_{k}"].append(float(majority is not None and math_rewards.answers_equal(majority, gold)))
-  return {name: float(np.mean(values)) for name, values in per_prompt.items()}
+  return {name: [float(v) for v in values] for name, values in per_prompt.items()}
+
+
+def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[int]) -> dict[str, float]:
+  """The metrics of the module doc averaged over prompts."""
+  return {name: float(np.mean(values)) for name, values in per_prompt_scores(texts, answers, ks).items()}
 
 
 def sample_texts(
@@ -116,21 +146,31 @@ def sample_texts(
 
 
 def evaluate(sampler, params, prompt_set, config, encoder: pipeline.Encoder) -> tuple[dict[str, float], list[dict]]:
-  """(metrics, samples): the module doc's metrics of `params` on `prompt_set`, and each prompt's completions."""
+  """(metrics, samples): the module doc's metrics of `params` on `prompt_set` with their standard errors
+  (`<name>_stderr`), and each prompt's completions and scores."""
   texts = sample_texts(sampler, params, prompt_set, config, encoder)
-  metrics = score(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
+  per_prompt = per_prompt_scores(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
+  metrics = {name: float(np.mean(values)) for name, values in per_prompt.items()}
+  metrics |= {f"{name}_stderr": value for name, value in stderr(per_prompt).items()}
   samples = [
-      {"prompt": prompt, "answer": answer, "completions": group}
-      for prompt, answer, group in zip(prompt_set.prompt_texts, prompt_set.answers, texts)
+      {"prompt": prompt, "answer": answer, "completions": group, "scores": {k: v[p] for k, v in per_prompt.items()}}
+      for p, (prompt, answer, group) in enumerate(zip(prompt_set.prompt_texts, prompt_set.answers, texts))
   ]
   return metrics, samples
 
 
+def per_prompt_from_samples(samples: Sequence[dict]) -> dict[str, list[float]]:
+  """The per-prompt scores `evaluate` stored in its samples, by metric."""
+  return {name: [sample["scores"][name] for sample in samples] for name in samples[0]["scores"]}
+
+
 def plot(metrics: dict[str, float], png_path: str, title: str) -> str:
-  """Bars of every metric, pass@k and maj@k first; returns `png_path`."""
-  names = sorted(metrics, key=lambda name: (not name.startswith(("pass_at_", "maj_at_")), name))
+  """Bars of every metric with their standard errors, pass@k and maj@k first; returns `png_path`."""
+  names = [name for name in metrics if not name.endswith("_stderr")]
+  names = sorted(names, key=lambda name: (not name.startswith(("pass_at_", "maj_at_")), name))
   fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
-  bars = ax.bar(names, [metrics[name] for name in names], color="tab:blue")
+  errors = [metrics.get(f"{name}_stderr", 0.0) for name in names]
+  bars = ax.bar(names, [metrics[name] for name in names], yerr=errors, capsize=3, color="tab:blue")
   ax.bar_label(bars, labels=[f"{metrics[name]:.1%}" for name in names])
   ax.set(ylim=(0, 1.05), ylabel="fraction of held-out prompts", title=title)
   fig.tight_layout()
@@ -166,4 +206,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

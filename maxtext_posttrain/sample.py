@@ -14,11 +14,11 @@ and no sampling seed: `num_samples=N` (default 1) and `seed=S` (default 0). Prin
 import json
 from typing import Sequence
 
-from absl import app
 import jax
 
 from maxtext.utils import maxtext_utils
 
+from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
@@ -67,4 +67,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

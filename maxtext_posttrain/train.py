@@ -6,11 +6,11 @@ so a MaxText launcher such as xpk runs post-training by swapping the module name
 
 from typing import Sequence
 
-from absl import app
 
 from maxtext.utils import max_logging
 from maxtext.utils import max_utils
 
+from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
 
@@ -24,4 +24,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -133,12 +133,28 @@ def _loss_and_grads(objective, config, model, params_shardings, batch):
 
 class MetricLogger(metric_logger.MetricLogger):
   """MaxText's logger, except that `metrics_file` is emptied once per fresh run rather than whenever a row for
-  step 0 is written, so the evaluation before the first step stays in the file."""
+  step 0 is written, so the evaluation before the first step stays in the file, and that the per-step line shows
+  the objective's own figures after the loss."""
 
-  def __init__(self, config, learning_rate_schedule, start_step=0):
+  def __init__(self, config, learning_rate_schedule, objective: objectives.Objective, start_step=0):
     super().__init__(config, learning_rate_schedule, start_step)
+    self.objective = objective
     if config.metrics_file and start_step == 0 and jax.process_index() == 0:
       open(config.metrics_file, "w", encoding="utf-8").close()
+
+  def _log_training_metrics(self, metrics, step):
+    """MaxText's per-step line (step, seconds, TFLOP/s and tokens/s per device, total_weights, loss), then the
+    objective's headline figures in place of MaxText's `lm_loss` and `perplexity`, which read 0 for a loss that is
+    not a language-model cross entropy (preference and RL losses)."""
+    scalars = metrics["scalar"]
+    figures = {"loss": float(scalars["learning/loss"])} | self.objective.headline_metrics(scalars)
+    max_logging.log(
+        f"completed step: {step}, seconds: {scalars['perf/step_time_seconds']:.3f}, "
+        f"TFLOP/s/device: {scalars['perf/per_device_tflops_per_sec']:.3f}, "
+        f"Tokens/s/device: {scalars['perf/per_device_tokens_per_sec']:.3f}, "
+        f"total_weights: {scalars['learning/total_weights']}, "
+        + ", ".join(f"{name}: {value:.3f}" for name, value in figures.items())
+    )
 
   def write_scalars(self, scalars: dict[str, float], step: int, metric_type: str) -> None:
     """Rows outside MaxText's train/eval schema (our evaluations, data counts): TensorBoard and metrics_file."""
@@ -348,7 +364,7 @@ def _numeric_leaves(tree: dict, prefix: str) -> dict[str, float]:
 def train(loop: Loop) -> dict[str, Any]:
   """Runs steps `loop.step .. config.steps`, evaluating every `eval_interval` steps; returns a summary."""
   config = loop.config
-  logger = MetricLogger(config, loop.learning_rate_schedule, start_step=loop.start_step)
+  logger = MetricLogger(config, loop.learning_rate_schedule, loop.objective, start_step=loop.start_step)
   logger.write_setup_info_to_tensorboard(loop.state.model.filter(nnx.Param))
   # Example counts (truncated, skipped, tokens) of each split, so they sit beside the curves they explain.
   logger.write_scalars(_numeric_leaves(loop.data.description, "data"), loop.step, "data")
@@ -380,8 +396,7 @@ def train(loop: Loop) -> dict[str, Any]:
       logger.buffer_and_write_metrics(metrics, step, step_time)
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
         scalars = metrics["scalar"]
-        extra = {label: float(scalars[key]) for label, key in loop.objective.progress_metrics.items() if key in scalars}
-        meter.report(loop.step, float(scalars["learning/loss"]), extra)
+        meter.report(loop.step, float(scalars["learning/loss"]), loop.objective.headline_metrics(scalars))
       if reached_target:
         max_logging.log(
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."

@@ -4,8 +4,6 @@ import pathlib
 
 import pytest
 
-from tests.paths import REPO
-
 
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory) -> pathlib.Path:
@@ -15,11 +13,12 @@ def tfds_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 def make_config(tmp_path, tfds_dir):
-  """`make_config(key=value, ...)` -> a PostTrainConfig from configs/sft.yml, writing under this test's tmp dir."""
+  """`make_config(key=value, ...)` -> a PostTrainConfig from a bundled config (sft.yml unless `config_file` names
+  another, or a yml path), writing under this test's tmp dir."""
   from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
 
-  def build(*overrides: str, config_file: str = "configs/sft.yml", run_name: str = "run"):
-    argv = ["", str(REPO / config_file), f"run_name={run_name}", f"base_output_directory={tmp_path}"]
+  def build(*overrides: str, config_file: str = "sft.yml", run_name: str = "run"):
+    argv = ["", config_file, f"run_name={run_name}", f"base_output_directory={tmp_path}"]
     argv += [f"dataset_path={tfds_dir}", *overrides]
     return posttrain_config.initialize(argv)
 
@@ -34,7 +33,7 @@ def sft_run(tmp_path_factory, tfds_dir):
   from tests import run_utils  # pylint: disable=import-outside-toplevel
 
   out = tmp_path_factory.mktemp("sft")
-  argv = ["", str(REPO / "configs/sft.yml"), "run_name=sft", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
+  argv = ["", "sft.yml", "run_name=sft", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
   argv += ["steps=200", "eval_interval=200", "eval_generation_examples=64", "checkpoint_period=1000"]
   argv += ["async_checkpointing=false", f"metrics_file={out / 'metrics.jsonl'}"]
   _, summary = run_utils.run(posttrain_config.initialize(argv))

@@ -20,7 +20,6 @@ from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
-from tests.paths import REPO
 
 
 def _pipeline_layout(params: dict, scan_axis: int) -> dict:
@@ -33,7 +32,7 @@ def _pipeline_layout(params: dict, scan_axis: int) -> dict:
 
 def first_losses(out_dir, tfds_dir, steps, overrides, run_name, initial_params=None) -> tuple[dict, dict]:
   config = posttrain_config.initialize(
-      ["", str(REPO / "configs" / "sft.yml"), f"run_name={run_name}", f"base_output_directory={out_dir}"]
+      ["", "sft.yml", f"run_name={run_name}", f"base_output_directory={out_dir}"]
       + [f"dataset_path={tfds_dir}", "enable_checkpointing=false", "eval_interval=0", f"steps={steps}", *overrides]
   )
   loop = trainer.setup(config)

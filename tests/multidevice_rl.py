@@ -12,7 +12,6 @@ import sys
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
-from tests.paths import REPO
 
 # 4 prompts x 4 samples a step, a reward that varies under random weights, and a KL term (so the reference runs).
 RUN = (
@@ -25,7 +24,7 @@ RUN = (
 def run(out_dir: str, tfds_dir: str, overrides: list[str], run_name: str) -> dict:
   metrics_file = pathlib.Path(out_dir) / f"{run_name}.jsonl"
   config = posttrain_config.initialize(
-      ["", str(REPO / "configs" / "grpo.yml"), f"run_name={run_name}", f"base_output_directory={out_dir}"]
+      ["", "grpo.yml", f"run_name={run_name}", f"base_output_directory={out_dir}"]
       + [f"dataset_path={tfds_dir}", f"metrics_file={metrics_file}", *RUN, *overrides]
   )
   loop = trainer.setup(config)

@@ -78,12 +78,61 @@ def test_unknown_posttrain_mode_lists_the_registered_modes(make_config):
     make_config("posttrain_mode=grpoo")
 
 
-def test_unknown_key_is_named(make_config):
-  with pytest.raises(ValueError, match="sft_train_on_completion_onyl"):
+def test_unknown_key_is_named_with_the_closest_valid_keys(make_config):
+  with pytest.raises(ValueError, match=r"'sft_train_on_completion_onyl' on the command line: did you mean "):
     make_config("sft_train_on_completion_onyl=true")
+  # Keys of a section (`rl:`, `lora:`, `dpo:`), which pydantic would drop silently, are checked too.
+  with pytest.raises(ValueError, match=r"'rl\.num_generatons' on the command line: did you mean 'rl\.num_generations'"):
+    make_config("rl.num_generatons=4", config_file="grpo.yml")
+  with pytest.raises(ValueError, match=r"'lora\.lora_rnk' on the command line: did you mean 'lora\.lora_rank'\?"):
+    make_config("lora.lora_rnk=4")
+
+
+def test_an_unknown_key_in_a_yml_names_the_file_and_line(make_config, tmp_path):
+  config_file = tmp_path / "mine.yml"
+  config_file.write_text(f"base_config: {paths.BUNDLED_CONFIGS / 'sft.yml'}\nsteps: 3\nlearning_rat: 0.1\n")
+  with pytest.raises(ValueError, match=rf"'learning_rat' in {config_file} line 3: did you mean 'learning_rate'\?"):
+    make_config(config_file=str(config_file))
+
+
+def _last_line(completed) -> str:
+  return completed.stderr.strip().splitlines()[-1]
+
+
+def test_user_errors_end_in_one_line_at_the_command_line(tmp_path):
+  """A mistyped key, a bad value, a missing config: exit status 1 and a last line that says what is wrong, without
+  MaxText's list of every valid key; an error after the config is read keeps its traceback above that line."""
+  common = ("run_name=x", f"base_output_directory={tmp_path}")
+  typo = _train("sft.yml", *common, "learning_rat=0.1", cwd=tmp_path)
+  assert typo.returncode == 1
+  assert _last_line(typo) == (
+      "maxtext_posttrain.train: error: ValueError: Unknown config key 'learning_rat' on the command line: did you mean "
+      "'learning_rate'? Valid keys are MaxText's (its base.yml and configs/types.py) plus those of "
+      "maxtext_posttrain/config.py."
+  )
+  assert "'mlp_dim'" not in typo.stderr and "Traceback" not in typo.stderr
+
+  value = _train("sft.yml", *common, "learning_rate=abc", cwd=tmp_path)
+  assert value.returncode == 1
+  assert _last_line(value) == (
+      "maxtext_posttrain.train: error: ValidationError: learning_rate='abc': Input should be a valid number, unable to "
+      "parse string as a number"
+  )
+
+  missing = _train("configs/nope.yml", *common, cwd=tmp_path)
+  assert missing.returncode == 1
+  assert _last_line(missing).startswith(
+      "maxtext_posttrain.train: error: FileNotFoundError: Config file 'configs/nope.yml' does not exist"
+  )
+  assert "bundled config: dpo.yml, grpo.yml, sft.yml, sft_lora.yml" in _last_line(missing)
+
+  data = _train("sft.yml", *common, "grain_file_type=jsonl", "grain_train_files=/nowhere/*.jsonl", cwd=tmp_path)
+  assert data.returncode == 1
+  assert "Traceback" in data.stderr
+  assert _last_line(data) == "maxtext_posttrain.train: error: ValueError: No JSONL file matches '/nowhere/*.jsonl'."
 
 
 def test_unknown_mode_exits_nonzero_from_the_command_line(tmp_path):
-  completed = _train(str(paths.REPO / "configs" / "sft.yml"), "run_name=x", "posttrain_mode=nope", cwd=tmp_path)
-  assert completed.returncode != 0
-  assert "Unknown posttrain_mode 'nope'" in completed.stderr
+  completed = _train("sft.yml", "run_name=x", "posttrain_mode=nope", cwd=tmp_path)
+  assert completed.returncode == 1
+  assert "Unknown posttrain_mode 'nope'" in _last_line(completed)

@@ -28,7 +28,7 @@ ROWS = [
 
 @pytest.fixture
 def small_config(make_config):
-  """A tiny SFT config from configs/sft.yml with a 2-row batch, for pipeline tests."""
+  """A tiny SFT config from sft.yml with a 2-row batch, for pipeline tests."""
   return functools.partial(make_config, "per_device_batch_size=2")
 
 

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 
 from maxtext_posttrain import evaluate
@@ -49,20 +50,26 @@ def test_score_reports_pass_maj_format_and_partial_per_prompt_then_averages():
   assert metrics["partial_accuracy"] == pytest.approx((2 / 4 + 3 / 4) / 2)
 
 
-def test_evaluate_command_writes_json_and_png(tmp_path, tfds_dir):
-  from tests.paths import REPO  # pylint: disable=import-outside-toplevel
+def test_standard_errors_bootstrap_prompts_and_pair_two_models_on_the_same_prompts():
+  rng = np.random.default_rng(1)
+  before = {"pass_at_1": rng.uniform(size=400)}
+  after = {"pass_at_1": before["pass_at_1"] + rng.normal(0.1, 0.02, size=400)}  # a gain shared by every prompt
+  # The standard error of a mean over n prompts is the prompts' std / sqrt(n); the bootstrap estimates it.
+  expected = np.std(before["pass_at_1"], ddof=1) / np.sqrt(400)
+  assert evaluate.stderr(before)["pass_at_1"] == pytest.approx(expected, rel=0.1)
+  paired = evaluate.paired_stderr(before, after)["pass_at_1"]
+  assert paired == pytest.approx(0.02 / np.sqrt(400), rel=0.1)  # only the per-prompt noise of the difference
+  assert paired < evaluate.stderr(after)["pass_at_1"] / 5
+  assert evaluate.stderr({"x": [0.5] * 10})["x"] == 0.0
 
-  argv = ["", str(REPO / "configs/grpo.yml"), "run_name=ev", f"base_output_directory={tmp_path}"]
+
+def test_evaluate_command_writes_json_and_png(tmp_path, tfds_dir):
+
+  argv = ["", "grpo.yml", "run_name=ev", f"base_output_directory={tmp_path}"]
   argv += [f"dataset_path={tfds_dir}", "eval_generation_examples=3", "eval_samples_per_prompt=5", "max_target_length=80"]
   evaluate.main(argv)
   report = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
-  assert set(report["metrics"]) == {
-      "pass_at_1",
-      "pass_at_5",
-      "maj_at_1",
-      "maj_at_5",
-      "format_accuracy",
-      "partial_accuracy",
-  }
+  names = {"pass_at_1", "pass_at_5", "maj_at_1", "maj_at_5", "format_accuracy", "partial_accuracy"}
+  assert set(report["metrics"]) == names | {f"{name}_stderr" for name in names}
   assert len(report["samples"]) == 3 and all(len(s["completions"]) == 5 for s in report["samples"])
   assert report["params"].startswith("random init") and (tmp_path / "ev" / "evaluation.png").stat().st_size > 0

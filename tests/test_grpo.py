@@ -17,7 +17,7 @@ from maxtext_posttrain.objectives import grpo
 from maxtext_posttrain.rewards import shaping
 from tests import run_utils
 
-GRPO = "configs/grpo.yml"
+GRPO = "grpo.yml"
 # Small rollouts from scratch: 2 prompts x 4 samples, short completions.
 TINY = ("per_device_batch_size=2", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false")
 # A reward with variance even under random weights: the length of a completion in characters.

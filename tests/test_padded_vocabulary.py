@@ -19,7 +19,7 @@ CHARACTERS = ('rl.rewards=["tests.rewards_for_tests:characters"]', "rl.reward_we
 def test_grpo_over_a_padded_vocabulary_samples_decodable_ids_and_keeps_the_ratio_at_one(make_config):
   config = make_config(
       *TINY, *CHARACTERS, "vocab_size=1024", "decode_sampling_temperature=0.7", "eval_interval=0",
-      config_file="configs/grpo.yml",
+      config_file="grpo.yml",
   )  # fmt: skip
   loop = trainer.setup(config)
   assert loop.objective.num_pieces == NUM_PIECES

@@ -14,13 +14,12 @@ from maxtext_posttrain.peft import export
 from maxtext_posttrain.peft import lora
 from tests import multidevice_losses
 from tests import run_utils
-from tests.paths import REPO
 
 LORA = ("lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "learning_rate=1.e-2")
 
 
 def _config(tmp, tfds_dir, *overrides, run_name="run"):
-  argv = ["", str(REPO / "configs/sft.yml"), f"run_name={run_name}", f"base_output_directory={tmp}"]
+  argv = ["", "sft.yml", f"run_name={run_name}", f"base_output_directory={tmp}"]
   return posttrain_config.initialize(argv + [f"dataset_path={tfds_dir}", "eval_interval=0", *overrides])
 
 
@@ -243,6 +242,7 @@ def test_qlora_int8_quantizes_the_base(tmp_path, tfds_dir):
         (("lora.lora_rank=200",), r"lora_rank=200 exceeds the width 128 of decoder/layers/"),
         (("lora.lora_restore_path=/nonexistent/3/items",), r"lora_restore_path=/nonexistent/3/items does not exist"),
         (("lora.enable_lora=false", "lora.lora_restore_path=/x"), r"lora_restore_path=/x is set but the policy"),
+        (("lora_input_adapters_path=/x",), r"lora_input_adapters_path=/x is MaxText's loader of serving adapters"),
     ],
 )
 def test_bad_lora_settings_fail_at_setup(tmp_path, tfds_dir, overrides, message):

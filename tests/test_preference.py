@@ -14,7 +14,7 @@ from maxtext_posttrain.objectives import dpo as dpo_objective
 from maxtext_posttrain.rewards import math as math_rewards
 from tests import run_utils
 
-DPO = "configs/dpo.yml"
+DPO = "dpo.yml"
 PAIRS = [
     {
         "prompt": "Tom has 3 apples and buys 5 more. How many now?",
@@ -99,7 +99,7 @@ def test_bad_pairs_fail_naming_file_line_and_field(make_config, tmp_path):
 
 def test_config_keeps_maxtexts_dpo_keys(make_config):
   """MaxText's post_train/dpo.yml switch (use_dpo) selects the objective; the algorithms and checks extend MaxText's."""
-  config = make_config("use_dpo=true", "packing=false", "use_sft=false", config_file="configs/sft.yml")
+  config = make_config("use_dpo=true", "packing=false", "use_sft=false", config_file="sft.yml")
   assert config.posttrain_mode == "dpo" and not config.use_dpo
   with pytest.raises(ValueError, match="set packing=false"):
     make_config("packing=true", config_file=DPO)

@@ -2,7 +2,7 @@
 
 The reference is the plain training-mode model run on the whole growing sequence at every step (what the cache
 saves), so a mismatch in cache layout, padding masks, positions or the parameter line-up shows up as a different
-token. The model is the configs/sft.yml decoder with random weights; its output projection is scaled so that the
+token. The model is the sft.yml decoder with random weights; its output projection is scaled so that the
 top two logits are far apart and greedy choices cannot flip on float rounding (the margin is asserted).
 """
 
@@ -29,7 +29,7 @@ from maxtext_posttrain.rollout import sampler as sampler_module
 from tests import paths
 
 REPO = str(paths.REPO)
-PREFILL_LENGTH = 64  # configs/sft.yml max_prefill_predict_length
+PREFILL_LENGTH = 64  # sft.yml max_prefill_predict_length
 PROMPT_LENGTHS = (5, 30, 17, 1, PREFILL_LENGTH, 9, 12)
 MAX_NEW_TOKENS = 10
 LOGIT_SCALE = 8.0
@@ -44,8 +44,7 @@ def _prompts():
 def _build(overrides=()):
   """Config, mesh, the trainer-mode model (fixed seed, scaled logits) and its params."""
   config = posttrain_config.initialize(
-      ["", os.path.join(REPO, "configs/sft.yml"), "run_name=t", f"base_output_directory={tempfile.gettempdir()}"]
-      + list(overrides)
+      ["", "sft.yml", "run_name=t", f"base_output_directory={tempfile.gettempdir()}"] + list(overrides)
   )
   mesh = maxtext_utils.get_mesh_from_config(config)
   create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)

@@ -1,7 +1,7 @@
 """RL sampling: B prompts x N samples, log-probs equal to the trainer's, the sampled distribution, stops, bad input,
 a vocabulary padded past the tokenizer, and ahead-of-time compilation for a TPU topology.
 
-Reuses tests/test_rollout.py's session model (configs/sft.yml decoder, random weights, output projection scaled by 8)
+Reuses tests/test_rollout.py's session model (sft.yml decoder, random weights, output projection scaled by 8)
 and its train-mode forward as the reference. Distribution tests use a flatter copy of the weights (output projection
 scaled by 8/3) so that many tokens have visible probability, and compare first-token frequencies over thousands of
 samples of one prompt with the distribution the strategy defines, by a chi-square test with a fixed seed.

@@ -169,3 +169,33 @@ def test_training_stops_at_target_eval_loss(make_config):
   assert summary["end_step"] < 60
   assert summary["evals"][summary["end_step"]]["eval/loss"] <= 1.0
   assert all(e["eval/loss"] > 1.0 for step, e in summary["evals"].items() if step < summary["end_step"])
+
+
+@pytest.mark.parametrize(
+    "config_file, mode, scalars, figures",
+    [
+        ("sft.yml", "sft", {"learning/z_loss": 0.0}, {"perplexity": float(np.exp(0.5))}),
+        (
+            "dpo.yml",
+            "dpo",
+            {"learning/rewards/accuracy": 0.75, "learning/rewards/margin": 0.25},
+            {"reward_accuracy": 0.75, "reward_margin": 0.25},
+        ),
+        ("grpo.yml", "grpo", {"rl/reward_mean": 0.6, "learning/kl": 0.01}, {"reward": 0.6, "kl": 0.01}),
+    ],
+)
+def test_the_step_line_shows_each_objectives_own_figures(make_config, monkeypatch, config_file, mode, scalars, figures):
+  """MaxText's per-step line reads `lm_loss: 0.000, perplexity: 0.000` for losses that are no language-model cross
+  entropy; ours follows the loss with the objective's figures (SFT's perplexity is exp of its loss)."""
+  config = make_config("rl.grpo_beta=0.04", "enable_tensorboard=false", config_file=config_file)
+  objective = objectives.get(mode)(config)
+  logger = trainer.MetricLogger(config, lambda step: 1e-3, objective)
+  lines = []
+  monkeypatch.setattr(trainer.max_logging, "log", lines.append)
+  perf = {"perf/step_time_seconds": 0.5, "perf/per_device_tflops_per_sec": 1.0, "perf/per_device_tokens_per_sec": 9.0}
+  scalars = scalars | perf | {"learning/loss": 0.5, "learning/total_weights": 64.0}
+  logger._log_training_metrics({"scalar": scalars}, 7)  # pylint: disable=protected-access
+  expected = ", ".join(f"{name}: {value:.3f}" for name, value in ({"loss": 0.5} | figures).items())
+  assert lines == [
+      f"completed step: 7, seconds: 0.500, TFLOP/s/device: 1.000, Tokens/s/device: 9.000, total_weights: 64.0, {expected}"
+  ]

@@ -47,14 +47,12 @@ class Objective(abc.ABC):
     batch_keys: the arrays every batch carries; the loop checks batches against them.
     rows_per_example: trained rows per row the data iterator yields (RL: the G completions of a prompt), for the
       tokens/s of the progress line.
-    progress_metrics: {label: key of the step's scalar metrics} shown on the progress line after the loss.
   """
 
   name: ClassVar[str]
   roles: ClassVar[tuple[str, ...]] = ()
   batch_keys: ClassVar[tuple[str, ...]]
   rows_per_example: int = 1
-  progress_metrics: ClassVar[dict[str, str]] = {}
 
   def __init__(self, config):
     self.config = config
@@ -86,6 +84,12 @@ class Objective(abc.ABC):
   def after_step(self, loop, step: int, metrics: dict[str, Any]) -> None:
     """Host-side hook after each train step (weight sync, adaptive KL, ...)."""
     del loop, step, metrics
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """{label: value} of the figures that tell how this objective's training goes, read from a train step's scalar
+    metrics: they follow the loss on MaxText's per-step line and on the progress line."""
+    del scalars
+    return {}
 
   def evaluate(self, loop) -> dict[str, float]:
     """Host-side evaluation beyond held-out loss (e.g. generation accuracy); returns scalar metrics."""

@@ -10,6 +10,8 @@ Chosen and rejected go through the policy in one forward: the two [B, L] halves 
 (pair i's chosen at row 2i, its rejected at 2i + 1), which keeps every pair on the devices that hold it.
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,13 @@ class Preference(Objective):
 
   def before_eval_step(self, loop, batch):
     return self._add_reference(loop, batch)
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """How often, and by how much, the implicit reward prefers the chosen side (ties count half)."""
+    return {
+        "reward_accuracy": float(scalars["learning/rewards/accuracy"]),
+        "reward_margin": float(scalars["learning/rewards/margin"]),
+    }
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
     config = self.config

@@ -1,5 +1,8 @@
 """Supervised fine-tuning: next-token cross entropy on completion tokens (or all tokens), packed or padded."""
 
+import math
+from typing import Any
+
 import jax
 
 from maxtext_posttrain.data import pipeline
@@ -40,6 +43,11 @@ class SFT(Objective):
         logits, batch["targets"], batch["targets_segmentation"] != 0, z_loss=self.config.z_loss_multiplier
     )
     return LossOutput(total=total, weight=weight, metrics={"z_loss": z_total})
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """Perplexity of the trained tokens: exp of the mean token cross entropy (the loss without its z-loss term)."""
+    cross_entropy_mean = float(scalars["learning/loss"]) - float(scalars.get("learning/z_loss", 0.0))
+    return {"perplexity": math.exp(min(cross_entropy_mean, 700.0))}
 
   def evaluate(self, loop) -> dict[str, float]:
     if self.config.eval_generation_examples <= 0:

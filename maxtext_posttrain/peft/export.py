@@ -4,11 +4,11 @@ The result holds the same parameter tree as the model without adapters, in MaxTe
 (`<output>/items/params/params/...`), so plain MaxText (pre-training, SFT, decoding) loads it with
 `load_parameters_path=<output>/items` and no LoRA keys. Run it with the training config and keys:
 
-  python -m maxtext_posttrain.peft.export configs/sft_lora.yml run_name=... base_output_directory=... \
+  python -m maxtext_posttrain.peft.export sft_lora.yml run_name=... base_output_directory=... \
       [load_parameters_path=<the base the adapters were trained on>] --output=/path/to/merged
 """
 
-import sys
+from absl import flags
 
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
@@ -19,6 +19,7 @@ from maxtext.utils import maxtext_utils
 from maxtext.utils import train_utils
 
 from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
 from maxtext_posttrain.peft import lora
@@ -59,13 +60,12 @@ def export(config, output: str) -> str:
   return f"{output}/items"
 
 
+_OUTPUT = flags.DEFINE_string("output", None, "Directory of the merged MaxText checkpoint.", required=True)
+
+
 def main(argv: list[str]) -> None:
-  outputs = [a.split("=", 1)[1] for a in argv if a.startswith("--output=")]
-  if not outputs:
-    raise SystemExit("usage: python -m maxtext_posttrain.peft.export <config.yml> [key=value ...] --output=<dir>")
-  config = posttrain_config.initialize([a for a in argv if not a.startswith("--")])
-  export(config, outputs[-1])
+  export(posttrain_config.initialize(list(argv)), _OUTPUT.value)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  cli.run(main)
