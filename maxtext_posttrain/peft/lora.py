@@ -1,15 +1,16 @@
 """LoRA and QLoRA as a switch on any objective: MaxText's qwix wiring, with its inputs checked up front.
 
-MaxText already turns the `lora.*` keys into a qwix `LoraProvider` (`lora_utils.apply_lora_to_model`), saves and
+MaxText already turns the `lora.*` keys into a qwix `LoraProvider` (`lora_utils._build_lora_provider`), saves and
 restores only the adapter state when `lora.enable_lora` is set (`checkpointing._filter_lora_trainable_state`) and
 builds its optimizer over `nnx.LoRAParam`. The loop calls `apply` inside its state initialiser and differentiates
 `trainable(config)`, so every objective (SFT, DPO, RL, distillation) gets adapters without knowing about them.
 What this module adds is what MaxText leaves to a failed trace or a silent no-op: a target regex that matches no
-module, a rank that is not below the layer width, an alpha that scales the adapters to zero, and the merge of
-trained adapters back into full weights (`merged_params`), which `export` writes as a MaxText checkpoint. It also
-gives `lora.lora_restore_path` a checked meaning across the loop, the reference role and the decode commands:
-MaxText's own restore matches stored adapters by path and skips what it does not find, so adapters of other target
-modules would load partly or not at all without an error.
+module, a rank that is not below the layer width, an alpha that scales the adapters to zero, adapters that compute
+in `dtype` as MaxText's kernels do (qwix's own promote a bfloat16 layer to their float32 `weight_dtype`, which fails
+the scanned decoder's trace), and the merge of trained adapters back into full weights (`merged_params`), which
+`export` writes as a MaxText checkpoint. It also gives `lora.lora_restore_path` a checked meaning across the loop,
+the reference role and the decode commands: MaxText's own restore matches stored adapters by path and skips what it
+does not find, so adapters of other target modules would load partly or not at all without an error.
 """
 
 import re
@@ -19,8 +20,11 @@ import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
+import qwix
 from qwix._src.core import qarray
+from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
+from qwix._src.utils import flax_util
 
 from maxtext.common import checkpointing
 from maxtext.utils import model_creation_utils
@@ -86,6 +90,11 @@ def validate_config(config) -> None:
     )
   if not lora.enable_lora:
     return
+  if config.lora_input_adapters_path:
+    raise ValueError(
+        f"lora_input_adapters_path={config.lora_input_adapters_path} is MaxText's loader of serving adapters, under "
+        "which no adapters would train. Start from stored adapters with lora.lora_restore_path."
+    )
   unknown = sorted(set(config.lora_roles) - set(TRAINED_ROLES))
   if unknown:
     raise ValueError(f"lora_roles {unknown}: adapters apply to trained roles only, one of {list(TRAINED_ROLES)}.")
@@ -127,6 +136,99 @@ def _module_paths(model: nnx.Module) -> list[str]:
   return ["/".join(str(p) for p in path) for path, _ in nnx.iter_modules(model) if path]
 
 
+class _ComputeDtypeLoraProvider(qwix.LoraProvider):
+  """qwix's LoRA under MaxText's mixed precision: weights stored in `weight_dtype`, computed in `dtype`.
+
+  qwix adds alpha/rank * (x A) B to the layer's result in the adapters' dtype, that of the frozen weight
+  (`weight_dtype`). MaxText's layers cast their kernels to `dtype`, so under `dtype=bfloat16 weight_dtype=float32`
+  the sum promoted a bfloat16 layer output to float32 and the scanned decoder's carry changed dtype. Here the
+  adapters get a kernel's treatment: stored, differentiated and updated in `weight_dtype` (`_apply_adapters`), cast
+  to the activations' dtype for the product; the delta takes the base result's dtype, so a layer returns the dtype
+  it returns without adapters. The base matmul is qwix's (its PTQ one under QLoRA); only the adapter branch is
+  rewritten, and without dropout, which MaxText's rule always sets to 0.
+  """
+
+  def _target(self, op_name: str, rhs) -> tuple[qwix.LoraRule, str] | None:
+    """The LoraRule and frozen weight this op adds adapters to, found as qwix does; None for other ops."""
+    rule, _ = self._get_current_rule_and_op_id(op_name, repeated_call=True)
+    name = flax_util.find_param(rhs, ptq.WithAux)
+    return (rule, name) if isinstance(rule, qwix.LoraRule) and name is not None else None
+
+  def dot_general(
+      self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None
+  ) -> jax.Array:
+    res = ptq.PtqProvider.dot_general(
+        self, lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
+    )
+    target = self._target("dot_general", rhs)
+    if target is None:
+      return res
+    rule, name = target
+    (lhs_ca, rhs_ca), (lhs_ba, rhs_ba) = dimension_numbers
+    rhs_ra = tuple(i for i in range(rhs.ndim) if i not in rhs_ca and i not in rhs_ba)
+    shapes = [tuple(rhs.shape[i] for i in axes) for axes in (rhs_ca, rhs_ba, rhs_ra)]
+    # pylint: disable=protected-access
+    a_shape, a_transpose, b_shape, b_transpose = qwix_lora._create_lora_layer_shapes(
+        rhs_ca, rhs_ba, rhs_ra, *shapes, rule.rank
+    )
+    a, b = _adapters_in(lhs.dtype, name, rule, a_shape, b_shape, a_transpose, b_transpose)
+    delta = qwix_lora._compute_lora_delta(lhs, a, b, lhs_ca, lhs_ba, *shapes, rule.rank, precision=precision)
+    return res + (delta * (rule.alpha / rule.rank)).astype(res.dtype)
+
+  def einsum(self, einsum_str, *operands, **kwargs) -> jax.Array:
+    res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+    target = self._target("einsum", operands[-1])
+    if target is None:
+      return res
+    rule, name = target
+    lhs, rhs = operands  # qwix's LoRA takes binary einsums only
+    # pylint: disable=protected-access
+    a_shape, b_shape, lora_str, a_transpose, b_transpose = qwix_lora._parse_einsum_str_for_lora(
+        lhs.shape, rhs.shape, einsum_str, rule.rank
+    )
+    a, b = _adapters_in(lhs.dtype, name, rule, a_shape, b_shape, a_transpose, b_transpose)
+    delta = jnp.einsum(lora_str, lhs, a, b, **kwargs)
+    return res + (delta * (rule.alpha / rule.rank)).astype(res.dtype)
+
+
+def _adapters_in(dtype, name, rule, a_shape, b_shape, a_transpose, b_transpose) -> tuple[jax.Array, jax.Array]:
+  """The adapters of the current module's weight `name` (created on qwix's first trace), cast to `dtype`."""
+  a, b = qwix_lora._get_or_create_lora_params(  # pylint: disable=protected-access
+      name=name,
+      rule=rule,
+      a_shape=a_shape,
+      b_shape=b_shape,
+      a_sharding_transpose=a_transpose,
+      b_sharding_transpose=b_transpose,
+  )
+  return a.astype(dtype), b.astype(dtype)
+
+
+def _apply_adapters(model: nnx.Module, config) -> nnx.Module:
+  """What MaxText's `lora_utils.apply_lora_to_model` does, from its own helpers, but with the provider's LoRA
+  branch computing in `dtype` (`_ComputeDtypeLoraProvider`): that function builds and uses its provider in one call.
+  Without a mesh: MaxText would reshard concrete adapter arrays, which fails under the loop's jit/eval_shape; the
+  adapters are replicated through their (PartitionSpec()) metadata and the state's out_shardings instead."""
+  # pylint: disable=protected-access
+  provider = lora_utils._build_lora_provider(config)
+  # Retyped, as qwix retypes the models it wraps: the rules stay the ones MaxText built and qwix validated from the
+  # `lora.*` keys (qwix refuses its own validated rules a second time).
+  provider.__class__ = _ComputeDtypeLoraProvider
+  tokens, positions = lora_utils._prepare_dummy_inputs()
+  rngs = getattr(getattr(model, "decoder", model), "rngs", None)
+  model = qwix.apply_lora_to_model(model, provider, decoder_input_tokens=tokens, decoder_positions=positions, rngs=rngs)
+  for _, node in nnx.iter_graph(model):
+    if "qwix_rngs" in getattr(node, "__dict__", {}):
+      del node.qwix_rngs
+    if isinstance(node, nnx.LoRAParam):
+      # Stored in `weight_dtype` like every trained weight. qwix takes the frozen weight's dtype, which under QLoRA is
+      # its scale's: `dtype`, since qwix quantizes the kernel MaxText has cast to it.
+      node.set_value(node.get_value().astype(config.weight_dtype))
+      node.set_metadata(sharding=jax.sharding.PartitionSpec(), out_sharding=None, sharding_names=None)
+  lora_utils._verify_lora_parameters(model, config)
+  return model
+
+
 def apply(model: nnx.Module, config, role: str = "policy") -> nnx.Module:
   """The model with qwix adapters (and, with `lora.lora_weight_qtype`, a quantized frozen base); unchanged when
   LoRA is off for this role. Raises ValueError naming real module paths when the target regex matches none, and
@@ -141,9 +243,7 @@ def apply(model: nnx.Module, config, role: str = "policy") -> nnx.Module:
         f"lora.lora_module_path={pattern!r} matches no module of this model (qwix full-matches module paths). "
         f"Modules with weights include: {with_kernels[:_LISTED]}"
     )
-  # mesh=None: MaxText's helper would reshard concrete adapter arrays, which fails under the loop's jit/eval_shape;
-  # the adapters are replicated through their (PartitionSpec()) metadata and the state's out_shardings instead.
-  model = lora_utils.apply_lora_to_model(model, None, config)
+  model = _apply_adapters(model, config)
   rank = config.lora.lora_rank
   for path, module in nnx.iter_modules(model):
     for name in [n for n in vars(module) if n.endswith("_lora_a")]:
