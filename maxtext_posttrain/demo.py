@@ -16,6 +16,7 @@ reward and accuracy curves as a PNG.
 
 import json
 import os
+import platform
 import shlex
 import shutil
 import time
@@ -23,6 +24,7 @@ from typing import Sequence
 
 from absl import app
 from absl import flags
+import jax
 
 from maxtext.utils import max_logging
 
@@ -65,6 +67,15 @@ def results_table(before: list[dict], after: list[dict], config, mode: str) -> s
         f"{f'{100 * (mean_after - mean_before):+.1f} ± {100 * se_change[name]:.1f}':>22s}{relative:>+10.1%}"
     )
   return "\n".join(lines)
+
+
+def _machine() -> str:
+  """The host's CPU and the jax build, which the table's exact figures depend on (see README: Reproducibility)."""
+  cpu = platform.processor() or platform.machine()
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+  return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
 
 
 def _sft(output_dir: str, steps: int) -> tuple[str, str]:
@@ -116,9 +127,8 @@ def main(argv: Sequence[str]) -> None:
   before, after = evaluations[min(evaluations)], evaluations[max(evaluations)]
   rl_params = os.path.join(config.checkpoint_dir, str(summary["end_step"] - 1), "items")
   png = curves.plot_run(config.metrics_file, os.path.join(output_dir, f"demo_{mode}_curves.png"))
-  gain_before = sum(s["scores"]["pass_at_1"] for s in before) / len(before)
-  gain_after = sum(s["scores"]["pass_at_1"] for s in after) / len(after)
-  gain = (gain_after - gain_before) / max(gain_before, 1e-9)
+  pass_at_1 = [sum(s["scores"]["pass_at_1"] for s in samples) / len(samples) for samples in (before, after)]
+  gain = (pass_at_1[1] - pass_at_1[0]) / max(pass_at_1[0], 1e-9)
   report = [
       f"SFT ({_SFT_STEPS.value} steps, {sft_note}), then {mode} ({summary['end_step']} steps, "
       f"{summary['seconds']:.0f} s) of a {config.base_num_decoder_layers}-layer MaxText model on arithmetic word "
@@ -140,6 +150,7 @@ def main(argv: Sequence[str]) -> None:
       f"Evaluate it (the table's last column again):\n  {evaluate_command}",
       f"Sample from it:\n  {sample_command}",
       f"Curves: {png}",
+      f"Machine: {_machine()}",
       f"Total time: {time.perf_counter() - started:.0f} s",
   ]
   print("\n".join(report), flush=True)

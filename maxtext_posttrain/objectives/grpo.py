@@ -114,11 +114,10 @@ class GRPO(Objective):
   batch_keys = ROW_KEYS
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
-    """The rollouts' mean shaped reward, and the KL to the reference when the loss has a KL term."""
-    figures = {"reward": float(scalars["rl/reward_mean"])}
-    if self.rl.grpo_beta > 0:
-      figures["kl"] = float(scalars["learning/kl"])
-    return figures
+    """The rollouts' mean shaped reward (absent on the inner iterations of `rl.num_iterations`, which sample none),
+    and the KL to the reference when the loss has a KL term."""
+    names = {"reward": "rl/reward_mean"} | ({"kl": "learning/kl"} if self.rl.grpo_beta > 0 else {})
+    return {name: float(scalars[key]) for name, key in names.items() if key in scalars}
 
   def __init__(self, config):
     super().__init__(config)

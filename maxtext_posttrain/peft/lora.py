@@ -224,7 +224,9 @@ def _apply_adapters(model: nnx.Module, config) -> nnx.Module:
       # Stored in `weight_dtype` like every trained weight. qwix takes the frozen weight's dtype, which under QLoRA is
       # its scale's: `dtype`, since qwix quantizes the kernel MaxText has cast to it.
       node.set_value(node.get_value().astype(config.weight_dtype))
-      node.set_metadata(sharding=jax.sharding.PartitionSpec(), out_sharding=None, sharding_names=None)
+      # MaxText sets sharding=PartitionSpec(), out_sharding=None, sharding_names=None; flax reads the first and last
+      # as deprecated spellings of out_sharding, so the three come to out_sharding=None: replicated adapters.
+      node.set_metadata(out_sharding=None)
   lora_utils._verify_lora_parameters(model, config)
   return model
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Reruns every command whose figures README.md quotes (demo tables, DPO/ORPO/SimPO accuracies, benchmark rows), one
+# after another so that timings do not share the CPU, and keeps each command's output in <output dir>/<name>.log.
+# Run it in a clean clone of the commit whose README it checks, after `make env`:
+#
+#   bash scripts/readme_figures.sh /tmp/figures            # everything (about 45 minutes on 2 CPU cores)
+#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, bench
+#
+# The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
+set -euo pipefail
+
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [bench]}")
+shift
+GROUPS_WANTED=${*:-demo dpo bench}
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=.venv/bin/python
+export JAX_PLATFORMS=cpu
+unset XLA_FLAGS
+mkdir -p "$OUT"
+echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)'); $(nproc) cores"
+
+run() {
+  local name=$1
+  shift
+  echo ">> $name: $*"
+  local start=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  echo "   done in $((SECONDS - start)) s -> $OUT/$name.log"
+}
+
+wanted() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
+
+if wanted demo; then
+  run demo_grpo "$PY" -m maxtext_posttrain.demo --output_dir="$OUT/demo"
+  run demo_gspo_token "$PY" -m maxtext_posttrain.demo --mode=gspo_token --output_dir="$OUT/demo"
+fi
+
+if wanted dpo; then
+  run dpo_sft "$PY" -m maxtext_posttrain.train sft.yml run_name=sft base_output_directory="$OUT/dpo" steps=200
+  run dpo "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo base_output_directory="$OUT/dpo" \
+    load_parameters_path="$OUT/dpo/sft/checkpoints/199/items" eval_interval=50 eval_steps=8 \
+    metrics_file="$OUT/dpo/dpo_metrics.jsonl"
+  run dpo_random "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo_random base_output_directory="$OUT/dpo" \
+    eval_interval=250 eval_steps=8 enable_checkpointing=false
+  for algo in orpo simpo; do  # the reference-free algorithms from random weights, as the tests run them
+    run "$algo" "$PY" -m maxtext_posttrain.train dpo.yml run_name="$algo" base_output_directory="$OUT/dpo" \
+      dpo.algo="$algo" learning_rate=3e-3 steps=75 eval_interval=75 eval_steps=8 max_target_length=96 \
+      enable_checkpointing=false
+  done
+fi
+
+if wanted bench; then
+  cd "$OUT"  # the benchmarks write their JSON rows into the working directory
+  export PYTHONPATH=$OLDPWD
+  PY=$OLDPWD/.venv/bin/python
+  run bench_sft "$PY" -m benchmarks.sft_vs_pretrain --repeats=10
+  run bench_sft_vocab32000 "$PY" -m benchmarks.sft_vs_pretrain --repeats=10 vocab_size=32000
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 run bench_sft_4devices "$PY" -m benchmarks.sft_vs_pretrain \
+    --repeats=10 per_device_batch_size=2 ici_fsdp_parallelism=2 ici_tensor_parallelism=2
+  run bench_dpo "$PY" -m benchmarks.dpo_vs_pretrain --repeats=5
+  run bench_grpo "$PY" -m benchmarks.grpo_vs_pretrain --repeats=5
+  run bench_decode "$PY" -m benchmarks.decode --repeats=3 --baseline_steps=16
+  run bench_peft "$PY" -m benchmarks.peft_memory --repeats=3 --models=llama2-7b,llama3.1-8b,qwen3-8b,gemma2-9b,qwen3-0.6b
+fi
