@@ -136,3 +136,26 @@ def test_unknown_mode_exits_nonzero_from_the_command_line(tmp_path):
   completed = _train("sft.yml", "run_name=x", "posttrain_mode=nope", cwd=tmp_path)
   assert completed.returncode == 1
   assert "Unknown posttrain_mode 'nope'" in _last_line(completed)
+
+
+def test_pytest_hides_third_party_deprecations_and_keeps_ours(tmp_path):
+  """pyproject.toml's filters silence warnings raised for Flax, MaxText and qwix (thousands per suite run); one
+  raised for this package's code still shows."""
+  (tmp_path / "test_warnings.py").write_text(
+      "import warnings\n\n\ndef test_warns():\n"
+      + "".join(
+          f"  warnings.warn_explicit('deprecated call in {module}', DeprecationWarning, 'x.py', 1, module='{module}')\n"
+          for module in ("flax.nnx.statelib", "maxtext.layers.nnx_scan", "qwix._src.model", "maxtext_posttrain.trainer")
+      )
+  )
+  completed = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(paths.REPO / "pyproject.toml")]
+      + ["--rootdir", str(tmp_path), str(tmp_path / "test_warnings.py")],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      check=False,
+  )
+  assert completed.returncode == 0, completed.stdout
+  assert "1 passed, 1 warning" in completed.stdout, completed.stdout
+  assert "deprecated call in maxtext_posttrain.trainer" in completed.stdout
