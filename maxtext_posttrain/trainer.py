@@ -252,9 +252,10 @@ def state_initializer(config, mesh) -> tuple[Callable[[], train_state_nnx.TrainS
 
 def setup(config) -> Loop:
   """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
+  objective_class = objectives.get(config.posttrain_mode)  # first: fails listing the registered modes
   check_supported(config)
   lora.validate_config(config)
-  objective = objectives.get(config.posttrain_mode)(config)
+  objective = objective_class(config)
   mesh = maxtext_utils.get_mesh_from_config(config)
   roles = {role: roles_lib.build(role, config, mesh) for role in objective.roles}
   init_state_fn, learning_rate_schedule = state_initializer(config, mesh)

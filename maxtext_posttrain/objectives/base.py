@@ -95,3 +95,25 @@ class Objective(abc.ABC):
     """Host-side evaluation beyond held-out loss (e.g. generation accuracy); returns scalar metrics."""
     del loop
     return {}
+
+
+_REGISTRY: dict[str, type[Objective]] = {}
+
+
+def register(cls: type[Objective]) -> type[Objective]:
+  """Class decorator that registers an objective under `cls.name`."""
+  if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    raise ValueError(f"posttrain_mode '{cls.name}' is already registered by {_REGISTRY[cls.name].__qualname__}")
+  _REGISTRY[cls.name] = cls
+  return cls
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> type[Objective]:
+  """Returns the objective class for `name`, or fails listing the registered modes."""
+  if name not in _REGISTRY:
+    raise ValueError(f"Unknown posttrain_mode '{name}'. Registered modes: {', '.join(names())}.")
+  return _REGISTRY[name]

@@ -24,7 +24,7 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import preference as preference_losses
-from maxtext_posttrain.objectives import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
 
 REFERENCE_KEYS = tuple(f"{side}_reference_logps" for side in preference_data.SIDES)
 

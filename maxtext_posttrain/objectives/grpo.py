@@ -35,7 +35,7 @@ from maxtext_posttrain.data import prompts as prompts_lib
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
 from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import shaping
 

@@ -7,7 +7,7 @@ import jax
 
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import cross_entropy
-from maxtext_posttrain.objectives import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
 from maxtext_posttrain import generation_eval
 
 
