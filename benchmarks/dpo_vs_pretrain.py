@@ -48,18 +48,19 @@ def main(argv):
   output = args.flag("output", "benchmark_dpo_vs_pretrain.json")
   config = args.config("dpo", "dpo.max_prompt_length=128")
   loop = trainer.setup(config)
+  train_step = lambda state, batch: loop.primary.p_train_step(state, batch, {})  # no in-step frozen roles
   p_pretrain_step = harness.jit_pretraining_step(loop)
   pairs = loop.train_batches.load_next_batch()
   pretrain_batch = _pretraining_batch(pairs)
   times = {"reference": [], "train": [], "pretrain": []}
 
   def dpo_step(state):
-    loop.state = state
+    loop.primary.state = state
     batch, reference_s = _timed(loop.objective.before_step, loop, pairs)
-    (state, _), train_s = _timed(loop.p_train_step, loop.state, batch)
+    (state, _), train_s = _timed(train_step, loop.primary.state, batch)
     return state, reference_s, train_s
 
-  state = loop.state
+  state = loop.primary.state
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for _ in range(2):  # compile both, and one warm step each
       state, _, _ = dpo_step(state)
@@ -81,7 +82,7 @@ def main(argv):
   }
   row["ratio"] = row["step_time_s"] / row["pretrain_step_time_s"]
   row["ratio_vs_predicted"] = row["ratio"] / PREDICTED_RATIO
-  loop.state = state
+  loop.primary.state = state
   printed = ("objective", "step_time_s", "reference_time_s", "train_time_s", "pretrain_step_time_s", "ratio")
   harness.write_row(row, loop, repeats, times, output, (*printed, "predicted_ratio", "ratio_vs_predicted"))
 

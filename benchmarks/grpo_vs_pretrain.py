@@ -25,7 +25,7 @@ from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import trainer
 
 
-def _pretraining_batch(batch):
+def pretraining_batch(batch):
   """The GRPO rows as a MaxText pretraining batch (inputs/targets with positions and segment ids)."""
   return {
       "inputs": batch["inputs"],
@@ -55,18 +55,18 @@ def main(argv):
   times = {"rollout": [], "reward": [], "reference": [], "train": [], "pretrain": []}
 
   def grpo_step(state):
-    loop.state = state
+    loop.primary.state = state
     batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
     start = time.perf_counter()
-    state, _ = jax.block_until_ready(loop.p_train_step(loop.state, batch))
+    state, _ = jax.block_until_ready(loop.primary.p_train_step(loop.primary.state, batch, {}))
     return state, batch, dict(loop.objective.step_metrics), time.perf_counter() - start
 
-  state = loop.state
+  state = loop.primary.state
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for repeat in range(-2, repeats):  # two warm-up rounds compile every program
       state, batch, metrics, train_s = grpo_step(state)
       start = time.perf_counter()
-      state, _ = jax.block_until_ready(p_pretrain_step(state, _pretraining_batch(batch)))
+      state, _ = jax.block_until_ready(p_pretrain_step(state, pretraining_batch(batch)))
       if repeat >= 0:
         times["pretrain"].append(time.perf_counter() - start)
         times["train"].append(train_s)
@@ -79,7 +79,7 @@ def main(argv):
   row["pretrain_step_time_s"] = statistics.median(times["pretrain"])
   row["train_ratio"] = row["train_time_s"] / row["pretrain_step_time_s"]
   row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
-  loop.state = state
+  loop.primary.state = state
   printed = ("objective", "step_time_s", "rollout_time_s", "reward_time_s", "reference_time_s", "train_time_s")
   harness.write_row(row, loop, repeats, times, output, (*printed, "pretrain_step_time_s", "train_ratio"))
 

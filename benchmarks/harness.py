@@ -75,12 +75,12 @@ def jit_pretraining_step(loop, config=None):
   (the loop's by default) sets its batch size, since MaxText's step trains on the first `micro_batch_size_to_train_on`
   rows of a batch."""
   config = config or loop.config
-  params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.state_mesh_shardings)
+  params_shardings, _ = sharding.maybe_update_params_sharding_with_opt(config, loop.primary.state_mesh_shardings)
   return train_utils.jit_train_step(
       config,
-      loop.graphdef,
-      loop.state,
-      loop.state_mesh_shardings,
+      loop.primary.graphdef,
+      loop.primary.state,
+      loop.primary.state_mesh_shardings,
       sharding.get_input_data_sharding(config, loop.mesh),
       pretrain.train_step,
       params_shardings,
@@ -92,7 +92,7 @@ def write_row(row: dict, loop, repeats: int, times: dict, output: str, printed: 
   """Adds the run's context (model size, shapes, mesh, devices, every step time) to `row`, writes it as a one-row
   JSON list to `output` and prints the `printed` keys."""
   config = loop.config
-  num_params = sum(x.size for x in jax.tree.leaves(loop.state.model.filter(nnx.Param)))
+  num_params = sum(x.size for x in jax.tree.leaves(loop.primary.state.model.filter(nnx.Param)))
   row |= {
       "model_parameters": int(num_params),
       "global_batch": config.global_batch_size_to_train_on,

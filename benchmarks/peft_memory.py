@@ -1,7 +1,7 @@
 """Memory and step time of full fine-tuning vs LoRA vs QLoRA on the benchmark model of `sft_vs_pretrain`, and the
 memory of the same variants on MaxText's own model configs.
 
-Per variant, from the state the loop builds (`trainer.state_initializer`): bytes of the trained parameters plus their
+Per variant, from the state the loop builds (`trained_model.state_initializer`): bytes of the trained parameters plus their
 optimizer state, bytes of the frozen base weights, and, on the benchmark model, the median time of the jitted train
 step on one batch, with its ratio to full fine-tuning measured in the same process. `--models=llama2-7b,...` adds
 the byte rows of MaxText model configs (`model_name=...`; the `key=value` overrides shape only the benchmark model)
@@ -27,6 +27,8 @@ from flax.linen import partitioning as nn_partitioning
 from maxtext.utils import maxtext_utils
 
 from benchmarks import harness
+from maxtext_posttrain import roles
+from maxtext_posttrain import trained_model
 from maxtext_posttrain import trainer
 from maxtext_posttrain.peft import lora
 
@@ -53,7 +55,7 @@ def _bytes(tree) -> int:
 def state_bytes(state: nnx.State, config) -> dict:
   """Bytes of a train state (concrete, or abstract from `nnx.eval_shape`): trained weights, their optimizer state,
   and the frozen base (the trained weights themselves under full fine-tuning)."""
-  trained = state.model.filter(lora.trainable(config))
+  trained = state.model.filter(trained_model.trainable_filter(config, roles.policy()))
   frozen = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))) if lora.enabled(config) else trained
   return {
       "trainable_bytes": _bytes(trained),
@@ -66,14 +68,14 @@ def measure(config, repeats: int) -> dict:
   """Bytes and the median step time of the loop's state and jitted train step on one batch."""
   loop = trainer.setup(config)
   batch = loop.train_batches.load_next_batch()
-  state, times = loop.state, []
+  state, times = loop.primary.state, []
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     row = state_bytes(state, config)
-    state, metrics = loop.p_train_step(state, batch)  # compile
+    state, metrics = loop.primary.p_train_step(state, batch, {})  # compile
     jax.block_until_ready((state, metrics))
     for _ in range(repeats):
       start = time.perf_counter()
-      state, metrics = loop.p_train_step(state, batch)
+      state, metrics = loop.primary.p_train_step(state, batch, {})
       jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - start)
   return row | {"step_time_s": statistics.median(times)}
@@ -81,7 +83,7 @@ def measure(config, repeats: int) -> dict:
 
 def measure_abstract(config) -> dict:
   """Bytes of the state the loop would build for `config`, from its shapes alone."""
-  init_state_fn, _ = trainer.state_initializer(config, maxtext_utils.get_mesh_from_config(config))
+  init_state_fn, _ = trained_model.state_initializer(config, maxtext_utils.get_mesh_from_config(config), roles.policy())
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     return state_bytes(nnx.state(nnx.eval_shape(init_state_fn)), config)
 

@@ -32,18 +32,19 @@ def main(argv):
   output = args.flag("output", "benchmark_sft_vs_pretrain.json")
   config = args.config("sft")
   loop = trainer.setup(config)
+  train_step = lambda state, batch: loop.primary.p_train_step(state, batch, {})  # no in-step frozen roles
   p_pretrain_step = harness.jit_pretraining_step(loop)
   batch = loop.train_batches.load_next_batch()
-  state = loop.state
+  state = loop.primary.state
   times = {"sft": [], "pretrain": []}
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    for fn in (loop.p_train_step, p_pretrain_step):  # compile both, and one warm step each
+    for fn in (train_step, p_pretrain_step):  # compile both, and one warm step each
       for _ in range(2):
         state, _ = _timed(fn, state, batch)
     for _ in range(repeats):
       state, seconds = _timed(p_pretrain_step, state, batch)
       times["pretrain"].append(seconds)
-      state, seconds = _timed(loop.p_train_step, state, batch)
+      state, seconds = _timed(train_step, state, batch)
       times["sft"].append(seconds)
   row = {
       "objective": "sft",
@@ -51,7 +52,7 @@ def main(argv):
       "pretrain_step_time_s": statistics.median(times["pretrain"]),
   }
   row["ratio"] = row["step_time_s"] / row["pretrain_step_time_s"]
-  loop.state = state
+  loop.primary.state = state
   harness.write_row(row, loop, repeats, times, output, ("objective", "step_time_s", "pretrain_step_time_s", "ratio"))
 
 

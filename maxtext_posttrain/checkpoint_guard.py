@@ -12,6 +12,7 @@ from orbax.checkpoint import v1 as ocp
 
 from maxtext.common import checkpointing
 from maxtext.common import train_state_nnx
+from maxtext_posttrain.peft import adapter_checkpoint
 
 _MAX_LISTED = 8
 
@@ -53,13 +54,33 @@ def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = F
   stored = ocp.metadata(directory).metadata.get("params", {})
   expected = train_state_nnx.to_checkpoint_dict(abstract_state)
   if adapters_only:
-    expected = checkpointing._filter_lora_trainable_state(expected) or {}  # pylint: disable=protected-access
+    expected = adapter_checkpoint.adapter_state(expected) or {}
   expected = expected.get("params", {})
   _raise_on_mismatches(
       f"The checkpoint at {directory} (step {step}) was written for a different model than this config builds",
       mismatches(stored, expected),
       "Nothing was loaded or overwritten. Use a new run_name/base_output_directory for this model, "
       "or restore the model keys the checkpoint was written with.",
+  )
+
+
+def stored_params(path: str) -> dict:
+  """The params tree (shaped metadata, no arrays) of the checkpoint MaxText's `load_parameters_path` would read."""
+  root = epath.Path(checkpointing._normalize_checkpoint_root(path))  # pylint: disable=protected-access
+  if not root.exists():
+    raise ValueError(f"No checkpoint at {path}.")
+  stored = ocp.metadata(root).metadata.get("params", {})
+  return stored.get("params", stored)
+
+
+def check_params(path: str, stored: dict, expected, what: str) -> None:
+  """Raises ValueError naming `path` and the differences unless `stored` (from `stored_params`) holds exactly the
+  params of `expected` (a model's state or pure dict), same paths and shapes."""
+  expected = expected.to_pure_dict() if hasattr(expected, "to_pure_dict") else expected
+  _raise_on_mismatches(
+      f"{what}: the checkpoint at {path} does not hold the weights this config builds",
+      mismatches(stored, expected),
+      "Nothing was loaded. Point the role at a checkpoint of this model, or set the model keys it was trained with.",
   )
 
 

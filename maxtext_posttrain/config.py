@@ -132,6 +132,46 @@ RL_PRESETS = {
 }
 
 
+class PPO(pydantic.BaseModel):
+  """What PPO (posttrain_mode=ppo) needs beyond MaxText's `rl.*` keys, which keep their meaning there: rollouts
+  (`num_generations`, sampling keys), `num_iterations` epochs per rollout batch, `grpo_beta` the initial KL
+  coefficient, `grpo_epsilon`/`epsilon_high` the ratio clip, `kl_estimator`, `rewards`/`reward_weights`."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  critic_init: Literal["auto", "reward_model", "policy", "fresh"] = Field(
+      "auto",
+      description="Where the critic's decoder starts: the reward model's checkpoint, the policy's "
+      "(load_parameters_path), or the seeded init; auto: the reward model if rl.rewards has one, else the policy. "
+      "critic_overrides.load_parameters_path, when set, names the checkpoint itself.",
+  )
+  critic_warmup_steps: int = Field(0, ge=0, description="Steps at the start that train the critic only.")
+  gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount.")
+  lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+  whiten_advantages: bool = Field(True, description="Whiten advantages over the rollout batch's completion tokens.")
+  value_clip: float = Field(0.2, ge=0.0, description="Clip range of the value loss around the rollout's values (0: off).")
+  num_minibatches: int = Field(1, ge=1, description="Shuffled minibatches per epoch; each is one step of both models.")
+  entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient of the policy loss.")
+  kl_penalty: Literal["reward", "loss"] = Field(
+      "reward",
+      description="The KL to the reference (coefficient rl.grpo_beta): a per-token penalty in the reward (PPO-RLHF) "
+      "or a term of the policy loss.",
+  )
+  adaptive_kl: bool = Field(False, description="Ziegler et al.'s adaptive KL coefficient (target, horizon).")
+  kl_target: float = Field(6.0, gt=0.0, description="Adaptive KL: the target KL per completion (summed over tokens).")
+  kl_horizon: float = Field(10000.0, gt=0.0, description="Adaptive KL: the horizon, in completions.")
+
+
+class RewardModelSection(pydantic.BaseModel):
+  """Reward-model training (posttrain_mode=reward_model): Bradley-Terry on preference pairs."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  center_rewards_coefficient: float = Field(
+      0.0, ge=0.0, description="Coefficient of (r_chosen + r_rejected)^2, which centres rewards on 0 (TRL's)."
+  )
+
+
 class PostTrainConfig(types.MaxTextConfig):
   """MaxText's config with the post-training keys."""
 
@@ -161,11 +201,28 @@ class PostTrainConfig(types.MaxTextConfig):
   dpo: Preference = Field(default_factory=Preference, description="Preference tuning (posttrain_mode=dpo).")
   rl: RL = Field(default_factory=RL, description="The GRPO family (posttrain_mode=grpo, drgrpo, dapo, gspo, ...).")
 
+  ppo: PPO = Field(default_factory=PPO, description="PPO with a learned critic (posttrain_mode=ppo).")
+  reward_model: RewardModelSection = Field(
+      default_factory=RewardModelSection, description="Reward-model training (posttrain_mode=reward_model)."
+  )
+  critic_overrides: dict[str, Any] = Field(
+      default_factory=dict,
+      description="PPO's critic: MaxText keys over the run's config, as MaxText's teacher_overrides (e.g. "
+      "learning_rate, base_num_decoder_layers, load_parameters_path).",
+  )
+  reward_model_overrides: dict[str, Any] = Field(
+      default_factory=dict,
+      description="The frozen reward model that scores rollouts (rl.rewards=[reward_model]): MaxText keys over the "
+      "run's config; load_parameters_path names its checkpoint (a posttrain_mode=reward_model run's).",
+  )
+
   lora_roles: list[str] = Field(
       ["policy"],
-      description="Trained roles that get adapters when lora.enable_lora is set (only `policy` is built today); "
-      "the other lora.* keys are MaxText's.",
+      description="Trained roles that get adapters when lora.enable_lora is set (policy, critic); the other lora.* "
+      "keys are MaxText's.",
   )
+
+  _argv: list[str] = pydantic.PrivateAttr(default_factory=list)  # what `initialize` read, for role overrides
 
   @model_validator(mode="after")
   def _posttrain_defaults(self):
@@ -181,10 +238,7 @@ class PostTrainConfig(types.MaxTextConfig):
       self.posttrain_mode, self.use_dpo = "dpo", False
     if self.posttrain_mode == "sft":
       self.use_sft = True  # what MaxText's SFT configs set; posttrain_mode=sft implies it
-    if self.posttrain_mode == "dpo":
-      self._check_preference()
-    if self.posttrain_mode in RL_PRESETS:
-      self._resolve_rl()
+    self._resolve_rl()
     if self.use_tunix_gradient_accumulation:
       # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
       # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.
@@ -192,71 +246,22 @@ class PostTrainConfig(types.MaxTextConfig):
       self.use_tunix_gradient_accumulation = False
     return self
 
-  def _check_preference(self):
-    if self.packing:
-      raise ValueError("posttrain_mode=dpo does not pack pairs; set packing=false.")
-    if self.dpo.max_prompt_length is None:
-      self.dpo.max_prompt_length = self.max_target_length // 2
-    if self.dpo.max_prompt_length >= self.max_target_length:
-      raise ValueError(
-          f"dpo.max_prompt_length={self.dpo.max_prompt_length} leaves no room for a completion within "
-          f"max_target_length={self.max_target_length}."
-      )
-    if self.dpo.algo in ("ipo", "orpo") and self.dpo.dpo_label_smoothing:
-      raise ValueError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={self.dpo.algo}.")
-
   def _resolve_rl(self):
-    """Applies the mode's preset to the rl.* keys left unset, then checks the combination."""
+    """Fills the rl.* keys a config leaves unset: the posttrain_mode's preset (RL_PRESETS), epsilon_high from
+    grpo_epsilon, DAPO's overlong buffer from the generation budget. The RL objectives check the result."""
     rl = self.rl
-    for key, value in RL_PRESETS[self.posttrain_mode].items():
+    for key, value in RL_PRESETS.get(self.posttrain_mode, {}).items():
       if key not in rl.model_fields_set:
         setattr(rl, key, value)
-    max_new_tokens = self.max_target_length - self.max_prefill_predict_length
     if rl.overlong_buffer_length == -1:
-      rl.overlong_buffer_length = max(1, max_new_tokens // 4)
-    mode = f"posttrain_mode={self.posttrain_mode}"
-    if max_new_tokens < 1:
-      raise ValueError(
-          f"{mode} generates max_target_length - max_prefill_predict_length tokens per completion; "
-          f"{self.max_target_length} - {self.max_prefill_predict_length} leaves none."
-      )
-    if rl.overlong_buffer_length >= max_new_tokens:
-      raise ValueError(
-          f"rl.overlong_buffer_length={rl.overlong_buffer_length} must be below the generation budget "
-          f"max_target_length - max_prefill_predict_length = {max_new_tokens} tokens."
-      )
-    if rl.num_generations < 2:
-      raise ValueError(f"rl.num_generations={rl.num_generations}: a group needs at least 2 completions per prompt.")
-    if self.packing:
-      raise ValueError(f"{mode} trains on one row per completion; set packing=false.")
+      rl.overlong_buffer_length = max(1, (self.max_target_length - self.max_prefill_predict_length) // 4)
     if rl.epsilon_high is None:
       rl.epsilon_high = rl.grpo_epsilon
-    if rl.dual_clip is not None and rl.loss_algo != "grpo":
-      raise ValueError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
-    if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
-      raise ValueError(f"rl.reward_weights {rl.reward_weights} needs one weight per reward of rl.rewards {rl.rewards}.")
-    unsupported = {
-        "use_agentic_rollout": rl.use_agentic_rollout,
-        "off_policy_steps": rl.off_policy_steps,
-    }
-    named = [key for key, on in unsupported.items() if on]
-    if named:
-      raise ValueError(
-          f"{mode} does not support rl.{', rl.'.join(named)}: rollouts are sampled on the trainer's mesh right "
-          "before each step, by the policy being trained."
-      )
-    if rl.force_on_policy_ratio and rl.num_iterations > 1:
-      raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")
-    if rl.num_iterations > 1 and self.enable_checkpointing and self.checkpoint_period % rl.num_iterations:
-      raise ValueError(
-          f"checkpoint_period={self.checkpoint_period} must be a multiple of rl.num_iterations={rl.num_iterations}, "
-          "so that every checkpoint falls between rollout batches and a resumed run samples what the run it continues "
-          "would have."
-      )
-    if max(self.eval_pass_at_k) > self.eval_samples_per_prompt or min(self.eval_pass_at_k) < 1:
-      raise ValueError(
-          f"eval_pass_at_k={self.eval_pass_at_k} needs 1 <= k <= eval_samples_per_prompt={self.eval_samples_per_prompt}."
-      )
+
+
+def max_new_tokens(config) -> int:
+  """The tokens a completion may take: MaxText's decode budget, max_target_length - max_prefill_predict_length."""
+  return config.max_target_length - config.max_prefill_predict_length
 
 
 def with_overrides(config: pyconfig.HyperParameters, **update) -> pyconfig.HyperParameters:
@@ -267,8 +272,41 @@ def with_overrides(config: pyconfig.HyperParameters, **update) -> pyconfig.Hyper
 
 def preference(config) -> Preference:
   """The typed `dpo.*` section (MaxText's HyperParameters hands nested sections other than lora/rl/debug out as
-  plain dicts)."""
-  return config.dpo if isinstance(config.dpo, Preference) else Preference(**config.dpo)
+  plain dicts), with `max_prompt_length` defaulting to half of max_target_length as in MaxText."""
+  section = config.dpo if isinstance(config.dpo, Preference) else Preference(**config.dpo)
+  if section.max_prompt_length is None:
+    section = section.model_copy(update={"max_prompt_length": config.max_target_length // 2})
+  return section
+
+
+def ppo(config) -> PPO:
+  """The typed `ppo.*` section."""
+  return config.ppo if isinstance(config.ppo, PPO) else PPO(**config.ppo)
+
+
+def reward_model(config) -> RewardModelSection:
+  """The typed `reward_model.*` section."""
+  section = config.reward_model
+  return section if isinstance(section, RewardModelSection) else RewardModelSection(**section)
+
+
+def check_override_keys(key: str, overrides: dict) -> None:
+  """Raises ValueError naming `<key>.<name>` for an override that is not a config key, with the closest names."""
+  unknown = _unknown_keys(dict(overrides), PostTrainConfig)
+  if unknown:
+    name, close = unknown[0]
+    hint = f"did you mean {' or '.join(repr(f'{key}.{c}') for c in close)}?" if close else "no valid key is close to it."
+    raise ValueError(f"Unknown config key {key}.{name}: {hint}")
+
+
+def reinitialize(config, **overrides) -> pyconfig.HyperParameters:
+  """The run's config initialised again from its argv with `overrides` on top, as MaxText builds its distillation
+  teacher from `teacher_overrides` (precedence: yml < command line < overrides); derived keys (emb_dim from
+  base_emb_dim, ...) follow the overrides."""
+  argv = config._pydantic_config._argv  # pylint: disable=protected-access
+  if not argv:
+    raise ValueError("Role overrides need a config built by maxtext_posttrain.config.initialize (it keeps the argv).")
+  return initialize(argv, **overrides)
 
 
 def resolve_config_file(path: str) -> str:
@@ -365,6 +403,7 @@ def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
     check_keys(argv[1], argv[2:])
   pathwaysutils.initialize()
   config = pyconfig.initialize(argv, config_class=PostTrainConfig, **kwargs)
+  config._pydantic_config._argv = list(argv)  # pylint: disable=protected-access
   train_utils.validate_train_config(config)
   jax.config.update("jax_use_shardy_partitioner", config.shardy)
   jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)

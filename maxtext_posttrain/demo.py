@@ -1,11 +1,12 @@
 """The project's main job on bundled data (`make demo`): SFT a tiny MaxText model on arithmetic word problems, then
-improve its answers with GRPO, and compare the two on held-out problems.
+improve its answers with RL (GRPO, a variant, or PPO), and compare the two on held-out problems.
 
-  python -m maxtext_posttrain.demo [--mode=gspo_token] [--sft_steps=300] [--output_dir=demo_output] [key=value ...]
+  python -m maxtext_posttrain.demo [--mode=gspo_token|ppo] [--sft_steps=300] [--output_dir=demo_output] [key=value ...]
 
 Stage 1 fine-tunes sft.yml's tiny decoder on the bundled train split and saves an orbax checkpoint (a later demo in
-the same --output_dir reuses it, so `--mode=gspo_token` after `make demo` runs stage 2 only). Stage 2 starts
-grpo.yml from that checkpoint (`load_parameters_path`) with `posttrain_mode=--mode` and saves its final checkpoint;
+the same --output_dir reuses it, so `--mode=ppo` after `make demo` runs stage 2 only). Stage 2 starts grpo.yml (for
+`--mode=ppo`, ppo.yml: the same prompts, completions per step and rewards, plus a critic and a KL-shaped reward)
+from that checkpoint (`load_parameters_path`) with `posttrain_mode=--mode` and saves its final checkpoint;
 its evaluations sample `eval_samples_per_prompt` completions for each of `eval_generation_examples` held-out prompts,
 the first before any RL step (the SFT model) and the last after training (the RL model), with the same random
 draws. `key=value` arguments override the RL stage's config. Prints the before/after table (pass@1, pass@k, maj@k,
@@ -35,7 +36,8 @@ from maxtext_posttrain import evaluate as evaluate_lib
 from maxtext_posttrain import trainer
 from maxtext_posttrain.rewards import math as math_rewards
 
-_MODE = flags.DEFINE_enum("mode", "grpo", sorted(posttrain_config.RL_PRESETS), "RL stage's posttrain_mode.")
+_PPO = "ppo"
+_MODE = flags.DEFINE_enum("mode", "grpo", [*sorted(posttrain_config.RL_PRESETS), _PPO], "RL stage's posttrain_mode.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "SFT steps of stage 1.")
 _OUTPUT = flags.DEFINE_string("output_dir", "demo_output", "Where both stages write checkpoints, metrics and curves.")
 
@@ -92,9 +94,13 @@ def _sft(output_dir: str, steps: int) -> tuple[str, str]:
   return params, f"{summary['seconds']:.0f} s"
 
 
+def _config_file(mode: str) -> str:
+  return "ppo.yml" if mode == _PPO else "grpo.yml"
+
+
 def _commands(config, params: str, overrides: list[str]) -> list[str]:
   """Commands that evaluate the RL model and sample from it, with the RL stage's config and overrides."""
-  base = ["grpo.yml", f"base_output_directory={config.base_output_directory}", *overrides]
+  base = [_config_file(config.posttrain_mode), f"base_output_directory={config.base_output_directory}", *overrides]
   evaluate = ["python", "-m", "maxtext_posttrain.evaluate", *base, f"run_name={config.run_name}_evaluation"]
   sample = ["python", "-m", "maxtext_posttrain.sample", *base, f"run_name={config.run_name}_sample"]
   sample += [f"prompt={_SAMPLE_PROMPT}", "num_samples=4"]
@@ -107,11 +113,11 @@ def _commands(config, params: str, overrides: list[str]) -> list[str]:
 def main(argv: Sequence[str]) -> None:
   overrides = list(argv[1:])
   if not all("=" in a for a in overrides):
-    raise app.UsageError(f"Arguments must be key=value overrides of grpo.yml, got {overrides}.")
+    raise app.UsageError(f"Arguments must be key=value overrides of the RL stage's config, got {overrides}.")
   started = time.perf_counter()
   output_dir, mode = os.path.abspath(_OUTPUT.value), _MODE.value  # orbax writes absolute paths only
   params, sft_note = _sft(output_dir, _SFT_STEPS.value)
-  argv = ["", "grpo.yml", f"run_name=demo_{mode}", f"base_output_directory={output_dir}"]
+  argv = ["", _config_file(mode), f"run_name=demo_{mode}", f"base_output_directory={output_dir}"]
   argv += [f"posttrain_mode={mode}", f"load_parameters_path={params}", "async_checkpointing=false"]
   argv += [f"metrics_file={os.path.join(output_dir, f'demo_{mode}_metrics.jsonl')}", *overrides]
   config = posttrain_config.initialize(argv)

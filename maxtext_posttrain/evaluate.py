@@ -125,7 +125,7 @@ def sample_texts(
   (the last chunk padded with repeats), so every chunk runs the same compiled decode program."""
   n, chunk = config.eval_samples_per_prompt, config.global_batch_size_to_train_on
   rng = jax.random.fold_in(jax.random.key(config.rl.sampling_seed), _EVAL_STREAM)
-  max_new_tokens = config.max_target_length - config.max_prefill_predict_length
+  max_new_tokens = posttrain_config.max_new_tokens(config)
   sampling = rollout.SamplingParams.from_config(config)
   texts = []
   for start in range(0, len(prompt_set), chunk):

@@ -5,7 +5,7 @@ ends with the right `#### <answer>`. SFT's periodic evaluation; RL objectives sa
 instead (`maxtext_posttrain.evaluate`).
 """
 
-from maxtext_posttrain import rollout
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
 from maxtext_posttrain.peft import lora
@@ -23,12 +23,13 @@ def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
   if "greedy_eval" not in loop.cache:
     encoder = pipeline.Encoder.from_config(config)
     prompt_set = prompts_lib.load(config, train=False, limit=num_examples, encoder=encoder)
-    loop.cache["greedy_eval"] = (rollout.Sampler(config, loop.mesh), encoder, prompt_set)
-  sampler, encoder, prompt_set = loop.cache["greedy_eval"]
-  eos_id = encoder.tokenizer.eos_id
-  max_new_tokens = config.max_target_length - config.max_prefill_predict_length  # MaxText's decode budget
-  outputs = sampler.generate(
-      lora.policy_params(loop.policy(), config), [list(ids) for ids in prompt_set.prompt_ids], max_new_tokens, eos_id
+    loop.cache["greedy_eval"] = (encoder, prompt_set)
+  encoder, prompt_set = loop.cache["greedy_eval"]
+  outputs = loop.sampler().generate(
+      lora.policy_params(loop.policy(), config),
+      [list(ids) for ids in prompt_set.prompt_ids],
+      config_lib.max_new_tokens(config),
+      encoder.tokenizer.eos_id,
   )
   texts = [encoder.decode_completion(ids) for ids in outputs]
   answers = [math_rewards.extract_final_answer(text) for text in texts]

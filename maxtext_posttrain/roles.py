@@ -1,27 +1,151 @@
-"""Frozen models an objective reads besides the policy: the `reference` of DPO and of RL's KL term.
+"""Roles: the MaxText models a run trains or reads, declared by its objective as specs.
 
-A role is the starting policy, frozen: built with MaxText's own model creation under the policy's mesh and logical
-axis rules, from `load_parameters_path` when it is set and otherwise from the same seeded initialisation as the
-policy, so at step 0 reference and policy agree exactly, and a resumed run gets the same reference as the run it
-continues. Under LoRA no copy is made at all: the base weights are frozen, so the policy with its starting adapters
-(zeros, or those of `lora.lora_restore_path`) *is* the starting policy.
+An objective declares its roles (`RoleSpec`): the `policy` it trains, and others such as the frozen `reference` of
+DPO and RL, the trained `critic` of PPO or the frozen `reward_model` that scores rollouts. Each role is a real
+MaxText model, built by MaxText's model creation under the run's mesh and logical axis rules, with
 
-Objectives run pure functions of a role (per-sequence log-probs of a batch, say) from their host hooks, each compiled
-once under jit. The train step therefore never carries a second model's weights, the reference pass can be timed on
-its own, and an objective that precomputes reference log-probs can drop the model afterwards.
+- its config: the run's, or the run's with MaxText-style overrides from a config key, the way MaxText's
+  distillation yml has `teacher_overrides` (`critic_overrides: {learning_rate: 1.e-5, base_num_decoder_layers: 4}`);
+  the overrides are applied as MaxText applies its own, by initialising the config again from the run's argv;
+- its head: MaxText's LM head, or a scalar head on the decoder's final hidden state (`forward.attach_scalar_head`);
+- where its weights start: the role config's `load_parameters_path` (an objective sets it, e.g. a critic from the
+  reward model's checkpoint), else the seeded initialisation (`init_weights_seed`);
+- LoRA: on a trained role named in `lora_roles` when `lora.enable_lora` is set.
+
+Trained roles become `trained_model.TrainedModel`s (optimizer, schedule, checkpoints, jitted steps); frozen roles
+are `FrozenModel`s. A frozen role is read from host hooks (`FrozenModel.run`) or, with `in_step`, inside the jitted
+train and eval steps, its weights passed in as an argument that is not donated.
 """
 
 import dataclasses
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.utils import max_logging
+from maxtext.utils import model_creation_utils
+from maxtext.utils import sharding
+from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import forward
 from maxtext_posttrain.peft import lora
 
-ROLES = ("reference",)
+POLICY = "policy"
+REFERENCE = "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+  """One model of a run, as its objective declares it.
+
+  Attributes:
+    name: the role's name (`policy`, `reference`, `critic`, `reward_model`, `teacher`, ...).
+    trained: trained (an optimizer, checkpoints) or frozen.
+    head: "lm" (MaxText's LM head: logits) or "scalar" (`forward.attach_scalar_head`: one value per position).
+    overrides_key: the config key the overrides come from (`critic_overrides`), named in errors; None: the run's.
+    overrides: MaxText keys over the run's config: the `overrides_key` section plus the objective's own choices
+      (e.g. `load_parameters_path` of a critic that starts from the reward model).
+    in_step: frozen roles: passed into the jitted train and eval steps, where the loss reads them.
+    loss: trained roles: `loss(model, batch, is_train, frozen) -> objectives.LossOutput`, `frozen` the in-step
+      frozen roles' models by name (None where only the role's state is built, as by export).
+  """
+
+  name: str
+  trained: bool
+  head: Literal["lm", "scalar"] = "lm"
+  overrides_key: str | None = None
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  in_step: bool = False
+  loss: Callable | None = None
+
+  def __post_init__(self):
+    if self.loss is not None and not self.trained:
+      raise ValueError(f"Role {self.name!r}: a frozen role has no loss.")
+    if self.trained and self.in_step:
+      raise ValueError(f"Role {self.name!r}: in_step applies to frozen roles (a trained role is the step's own).")
+
+
+def policy(loss: Callable | None = None) -> RoleSpec:
+  """The trained policy on the run's own config: the model `load_parameters_path`, export and decoding read."""
+  return RoleSpec(POLICY, trained=True, loss=loss)
+
+
+def reference(in_step: bool = False) -> RoleSpec:
+  """The frozen starting policy (DPO's reference, RL's KL anchor)."""
+  return RoleSpec(REFERENCE, trained=False, in_step=in_step)
+
+
+def role_config(config, spec: RoleSpec, primary: bool = True):
+  """The MaxText config `spec` runs: the run's config, or the run's re-initialised with `spec.overrides` (MaxText's
+  precedence: yml < command line < overrides). A trained role other than the primary one checkpoints beside the
+  primary's `<run>/checkpoints`, in `<run>/<role>/checkpoints`, without the data iterator's state, which the
+  primary's checkpoints carry (MaxText saves it for dataset_type=grain; the role's config reads no data)."""
+  if not spec.overrides:
+    role = config
+  else:
+    config_lib.check_override_keys(spec.overrides_key or spec.name, spec.overrides)
+    role = config_lib.reinitialize(config, **spec.overrides)
+    check_same_tokens(config, role, f"{spec.name} ({spec.overrides_key})" if spec.overrides_key else spec.name)
+  if spec.trained and not primary:
+    role = config_lib.with_overrides(
+        role,
+        checkpoint_dir=os.path.join(config.base_output_directory, config.run_name, spec.name, "checkpoints", ""),
+        dataset_type="synthetic",
+    )
+  return role
+
+
+def check_same_tokens(config, role, name: str) -> None:
+  """Raises ValueError when a role reads other token ids than the run's policy: another tokenizer or vocabulary
+  would score the policy's completions as different text."""
+  differ = [
+      f"{key}={getattr(role, key)!r} (policy: {getattr(config, key)!r})"
+      for key in ("tokenizer_path", "tokenizer_type", "vocab_size")
+      if getattr(role, key) != getattr(config, key)
+  ]
+  if differ:
+    raise ValueError(f"Role {name} reads other tokens than the policy: {'; '.join(differ)}.")
+
+
+def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Module], nnx.Module]:
+  """(a zero-argument function building `spec`'s model, no weights loaded; MaxText's abstract model of `config`):
+  MaxText's model with the role's head and, for a trained role in `lora_roles`, its adapters."""
+  create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+
+  def init_model():
+    model = create_model()
+    if spec.head == "scalar":
+      forward.attach_scalar_head(model, config)
+    return lora.apply(model, config, spec.name) if spec.trained else model
+
+  return init_model, abstract_model
+
+
+def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.State:
+  """`model_state` (a role's params, concrete) with the weights of the role's `load_parameters_path` read over it.
+
+  A scalar-head role reads the checkpoint's head when it has one; a trained role starting from a checkpoint without
+  one (a policy's) keeps its fresh head, while a frozen one refuses it (a reward model needs a trained head). The
+  stored shapes are compared with the model's first, so a checkpoint of another model fails naming the path and
+  the difference before anything loads. LoRA adapters are not read from it.
+  """
+  path = config.load_parameters_path
+  wanted = model_state.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))  # adapters never start from it
+  stored = checkpoint_guard.stored_params(path)
+  if spec.head == "scalar" and not forward.has_scalar_head(stored):
+    if not spec.trained:
+      raise ValueError(
+          f"Role {spec.name}: the checkpoint at {path} has no scalar head ({forward.SCALAR_HEAD}); it is not a "
+          "reward model's. Train one with posttrain_mode=reward_model."
+      )
+    max_logging.log(f"Role {spec.name}: {path} has no scalar head; the head starts at zero.")
+    wanted = nnx.State({k: v for k, v in wanted.items() if k != forward.SCALAR_HEAD})
+  checkpoint_guard.check_params(path, stored, wanted, f"Role {spec.name}")
+  loaded = lora.load_like(path, wanted, config)
+  return nnx.merge_state(model_state, loaded)
 
 
 @dataclasses.dataclass
@@ -32,6 +156,7 @@ class FrozenModel:
   by `follow` before each use, because the train step donates (and so invalidates) the previous step's arrays.
   """
 
+  spec: RoleSpec
   config: Any
   mesh: jax.sharding.Mesh
   graphdef: nnx.GraphDef | None
@@ -47,33 +172,60 @@ class FrozenModel:
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       return self._compiled[fn](self.state, *args)
 
-  def follow(self, policy: nnx.Module) -> "FrozenModel":
-    """Takes the LoRA `policy`'s current frozen base with the adapters it started from: the starting policy. The
-    starting adapters are read once and kept apart from the train state (whose arrays the step donates)."""
-    self.graphdef, state = nnx.split(policy)
+  def follow(self, policy_model: nnx.Module) -> "FrozenModel":
+    """Takes the LoRA `policy_model`'s current frozen base with the adapters it started from: the starting policy.
+    The starting adapters are read once and kept apart from the train state (whose arrays the step donates)."""
+    self.graphdef, state = nnx.split(policy_model)
     if self._start_adapters is None:
       self._start_adapters = lora.starting_adapters(state.filter(nnx.LoRAParam), self.config)
     self.state = nnx.merge_state(state, self._start_adapters)
     return self
 
 
-def build(role: str, config, mesh, copy: bool = False) -> FrozenModel:
-  """The frozen model for `role`. Under LoRA it follows the policy (see `FrozenModel.follow`) unless
-  `copy` (for a one-off pass before the policy exists), which full-precision LoRA allows and QLoRA does not (its
-  policy's base is quantized, so a full-precision copy would not be the starting policy)."""
-  if role not in ROLES:
-    raise ValueError(f"Unknown role {role!r}; the loop builds {list(ROLES)}.")
+def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenModel:
+  """The frozen model of `spec` under the run `config`.
+
+  The reference (the run's own config, LM head) is the starting policy: under LoRA the policy itself with its
+  starting adapters (see `FrozenModel.follow`) unless `copy` (a one-off pass before the policy exists, which
+  full-precision LoRA allows and QLoRA does not: its policy's base is quantized); otherwise MaxText's
+  `from_pretrained` model of `load_parameters_path` or the seeded init, with `lora.lora_restore_path`'s adapters.
+  Any other role is built from its own config and head and reads its `load_parameters_path`.
+  """
+  if spec.trained:
+    raise ValueError(f"Role {spec.name} is trained, not frozen.")
+  if spec.head == "lm" and not spec.overrides:
+    return _starting_policy(spec, config, mesh, copy)
+  role = role_config(config, spec)
+  if spec.in_step and lora.enabled(config) and spec.name == REFERENCE:
+    raise ValueError("An in-step reference under LoRA is not supported: it is the policy's own base.")
+  init_model, _ = model_initializer(role, spec, mesh)
+  with nn_partitioning.axis_rules(role.logical_axis_rules):
+    abstract = nnx.eval_shape(init_model)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = sharding.nnx_construct_named_sharding(abstract_state, mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(role.logical_axis_rules):
+    state = jax.jit(lambda: nnx.state(init_model()), out_shardings=shardings)()
+  if role.load_parameters_path:
+    state = load_start_weights(state, role, spec)
+  elif spec.head == "scalar":
+    raise ValueError(f"Role {spec.name} reads a scalar head but no checkpoint: set {spec.overrides_key}.load_parameters_path.")
+  source = role.load_parameters_path or f"the seeded initialisation (init_weights_seed={role.init_weights_seed})"
+  max_logging.log(f"Role {spec.name}: a frozen {spec.head}-head model from {source}.")
+  return FrozenModel(spec, role, mesh, graphdef, state)
+
+
+def _starting_policy(spec: RoleSpec, config, mesh, copy: bool) -> FrozenModel:
   if lora.enabled(config) and copy and config.lora.lora_weight_qtype:
     raise ValueError(
-        f"A separate {role} model for QLoRA (lora.lora_weight_qtype={config.lora.lora_weight_qtype}) is not supported: "
-        "it would not carry the policy's quantized base."
+        f"A separate {spec.name} model for QLoRA (lora.lora_weight_qtype={config.lora.lora_weight_qtype}) is not "
+        "supported: it would not carry the policy's quantized base."
     )
   if lora.enabled(config) and not copy:
-    max_logging.log(f"Role {role}: the policy with its starting LoRA adapters (no second copy of the weights).")
-    return FrozenModel(config, mesh, None, None, follows_policy=True)
+    max_logging.log(f"Role {spec.name}: the policy with its starting LoRA adapters (no second copy of the weights).")
+    return FrozenModel(spec, config, mesh, None, None, follows_policy=True)
   source = config.load_parameters_path or f"the seeded initialisation (init_weights_seed={config.init_weights_seed})"
   if config.lora.lora_restore_path:  # validate_config: only with adapters on the policy
     source += f" with the adapters of {config.lora.lora_restore_path}"
-  max_logging.log(f"Role {role}: a frozen copy of the starting policy from {source}.")
+  max_logging.log(f"Role {spec.name}: a frozen copy of the starting policy from {source}.")
   graphdef, state = nnx.split(lora.pretrained_model(config, mesh))
-  return FrozenModel(config, mesh, graphdef, state)
+  return FrozenModel(spec, config, mesh, graphdef, state)

@@ -50,7 +50,7 @@ def main(argv: Sequence[str]) -> None:
   rollouts = sampler.sample(
       lora.policy_params(model, config),
       [encoder.prompt_ids(config.prompt)],
-      config.max_target_length - config.max_prefill_predict_length,
+      posttrain_config.max_new_tokens(config),
       eos_id,
       jax.random.key(own["seed"]),
       num_samples=own["num_samples"],

@@ -1,40 +1,37 @@
-"""The one generic training loop: MaxText's setup, an objective's loss, MaxText's checkpointing and logging.
+"""The one generic training loop: MaxText's setup, the objective's roles and losses, MaxText's checkpointing and logging.
 
-Everything model-shaped comes from MaxText: the mesh (`ici_*`/`dcn_*`), model creation and sharding rules,
-optimizer and learning-rate schedule, gradient clipping and accumulation, orbax checkpointing (auto-resume,
-`load_parameters_path`), the jitted step's shardings and donation, and the metric logger (TensorBoard and
-`metrics_file`). The objective (`posttrain_mode`) supplies data, loss, hooks and extra evaluation; this module
-contains nothing objective-specific.
+The loop trains the set of MaxText models its objective declares (`roles.RoleSpec`): every trained role is a
+`trained_model.TrainedModel` (MaxText's model creation and sharding rules, optimizer and schedule, orbax
+checkpoints with auto-resume and `load_parameters_path`, a jitted step with MaxText's shardings and donation), every
+frozen role a `roles.FrozenModel`. The first trained role is the primary one (the policy, or the reward model a
+reward-model run trains): its checkpoints are `<run>/checkpoints`, its data iterator state is saved with them, and
+its loss is the one MaxText's logger shows; other trained roles checkpoint in `<run>/<role>/checkpoints` at the same
+steps and auto-resume with it. An objective's host-side state (an adaptive KL coefficient) is saved beside them.
+The objective supplies data, losses, hooks and extra evaluation; this module contains nothing objective-specific.
 """
 
 import dataclasses
 import datetime
 import json
-from typing import Any, Callable
+import time
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from flax.linen import partitioning as nn_partitioning
 
-from maxtext.common import checkpointing
 from maxtext.common import data_loader
 from maxtext.common import metric_logger
-from maxtext.common import train_state_nnx
-from maxtext.utils import gradient_accumulation
 from maxtext.utils import max_logging
-from maxtext.utils import max_utils
 from maxtext.utils import maxtext_utils
-from maxtext.utils import model_creation_utils
 from maxtext.utils import sharding
-from maxtext.utils import train_utils
 
-from maxtext_posttrain import checkpoint_guard
-from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import manifest
+from maxtext_posttrain import objective_state
 from maxtext_posttrain import objectives
 from maxtext_posttrain import progress
 from maxtext_posttrain import roles as roles_lib
+from maxtext_posttrain import rollout
+from maxtext_posttrain import trained_model
 from maxtext_posttrain.peft import lora
 
 
@@ -45,90 +42,66 @@ class Loop:
   config: Any
   mesh: jax.sharding.Mesh
   objective: objectives.Objective
-  graphdef: nnx.GraphDef  # of TrainStateNNX
-  state: nnx.State  # pure state of TrainStateNNX: {"model": ..., "optimizer": ...}
-  state_mesh_shardings: nnx.State
-  checkpoint_manager: Any
+  trained: dict[str, trained_model.TrainedModel]  # in the objective's order; the first is the primary role
+  frozen: dict[str, roles_lib.FrozenModel]
   data: objectives.ObjectiveData
   train_batches: data_loader.DataLoader  # MaxText's loader: places `data.train` batches on the input sharding
-  learning_rate_schedule: Any
-  p_train_step: Any
-  p_eval_step: Any
   step: int
   start_step: int
-  roles: dict[str, roles_lib.FrozenModel] = dataclasses.field(default_factory=dict)
-  cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects (e.g. a sampler)
+  cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects
+  _sampler: rollout.Sampler | None = None
+
+  @property
+  def primary(self) -> trained_model.TrainedModel:
+    """The objective's first trained role: its checkpoints are the run's `<run>/checkpoints`."""
+    return next(iter(self.trained.values()))
 
   def policy(self) -> nnx.Module:
-    """The policy model with the current weights (shares the arrays of `state`, no copy)."""
-    return nnx.merge(self.graphdef, self.state).model
+    """The policy model with the current weights (shares the arrays of its state, no copy)."""
+    return self.trained[roles_lib.POLICY].model()
 
   def role(self, name: str) -> roles_lib.FrozenModel:
-    """A frozen role of the objective; under LoRA the reference is the current policy with its starting adapters."""
-    if name not in self.roles:
-      raise ValueError(f"posttrain_mode={self.objective.name} declared roles {list(self.roles)}, not {name!r}.")
-    role = self.roles[name]
+    """A frozen role; under LoRA the reference is the current policy with its starting adapters."""
+    if name not in self.frozen:
+      raise ValueError(f"posttrain_mode={self.objective.name} declared frozen roles {list(self.frozen)}, not {name!r}.")
+    role = self.frozen[name]
     return role.follow(self.policy()) if role.follows_policy else role
 
+  def frozen_states(self) -> dict[str, nnx.State]:
+    """The weights of the frozen roles the jitted steps read, by name (passed in, not donated)."""
+    return {name: self.role(name).state for name, role in self.frozen.items() if role.spec.in_step}
 
-def _accumulated_adapter_grads(objective, config, model, batch):
-  """(loss, weight, metric sums, adapter grads) accumulated over microbatches, for LoRA and QLoRA.
-
-  MaxText's accumulation differentiates every `nnx.Param`, which under LoRA is the frozen base too (under QLoRA its
-  integer codes, which have no gradient). This differentiates the adapters only, over the microbatches MaxText
-  forms (row r of the batch goes to microbatch r % steps), summing (total, weight, metrics, grads) and dividing by
-  the weight of the whole batch, as MaxText does. The model's RNG state is not advanced between microbatches.
-  """
-  steps = config.gradient_accumulation_steps
-  graphdef, params, rest = nnx.split(model, lora.trainable(config), ...)
-  data = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // steps, steps) + x.shape[1:]), 0, 1), batch)
-
-  def summed(params, microbatch):
-    out = objective.loss(nnx.merge(graphdef, params, rest, copy=True), microbatch, True)
-    return out.total, out
-
-  def accumulate(sums, microbatch):
-    (_, out), grads = jax.value_and_grad(summed, has_aux=True)(params, microbatch)
-    return jax.tree.map(jnp.add, sums, (grads, out)), None
-
-  out_shapes = jax.eval_shape(lambda m: summed(params, m)[1], jax.tree.map(lambda x: x[0], data))
-  zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes))
-  (grads, out), _ = jax.lax.scan(accumulate, zeros, data)
-  weight = jnp.maximum(out.weight, 1.0)
-  return out.total / weight, out.weight, out.metrics, jax.tree.map(lambda g: g / weight, grads)
+  def sampler(self) -> rollout.Sampler:
+    """The run's one rollout sampler (MaxText decoding with a KV cache), shared by rollouts and evaluation."""
+    if self._sampler is None:
+      self._sampler = rollout.Sampler(self.config, self.mesh)
+    return self._sampler
 
 
-def _loss_and_grads(objective, config, model, params_shardings, batch):
-  """(loss, weight, metric sums, raw grads) of the objective, with MaxText's gradient accumulation when enabled."""
-  if config.gradient_accumulation_steps > 1 and lora.enabled(config):
-    return _accumulated_adapter_grads(objective, config, model, batch)
-  if config.gradient_accumulation_steps > 1:
+# MaxText training features that this loop's step does not carry yet; each fails at start instead of being ignored.
+_UNSUPPORTED = (
+    (lambda c: c.num_experts > 1, "mixture-of-experts models (num_experts > 1): their load-balance loss"),
+    (lambda c: c.mtp_num_layers > 0, "multi-token prediction (mtp_num_layers > 0)"),
+    (lambda c: c.use_indexer, "the attention indexer (use_indexer)"),
+    (lambda c: c.num_vocab_tiling > 1, "vocabulary tiling (num_vocab_tiling > 1)"),
+    (lambda c: c.quantization in ("fp8", "nanoo_fp8"), "fp8 training (quantization=fp8/nanoo_fp8): its amax state"),
+    (lambda c: c.parameter_memory_host_offload, "parameter_memory_host_offload"),
+    (lambda c: c.optimizer_memory_host_offload, "optimizer_memory_host_offload"),
+    (lambda c: c.shard_optimizer_over_data, "shard_optimizer_over_data (ZeRO-1)"),
+    (lambda c: c.enable_diloco, "DiLoCo (enable_diloco)"),
+    (lambda c: c.use_qk_clip, "QK-clip (use_qk_clip)"),
+)
 
-    # MaxText's accumulation differentiates a summed loss, reading the sum and its weight from `xent_sum` and
-    # `total_weights`; it then divides the accumulated gradient by the weight of the whole batch.
-    def summed_loss(model, config, data, dropout_rng, params, is_train=True):
-      del config, dropout_rng, params
-      out = objective.loss(model, data, is_train)
-      aux = {"xent_sum": out.total, "total_weights": out.weight, "metrics": out.metrics}
-      aux |= {"moe_lb_loss": 0.0, "indexer_loss": 0.0, "mtp_loss": 0.0}
-      return out.total, aux
 
-    loss, aux, grads = gradient_accumulation.gradient_accumulation_loss_and_grad(
-        summed_loss, config, model, None, params_shardings, batch, None
-    )
-    return loss, aux["total_weights"], aux["metrics"], grads
+def check_supported(config) -> None:
+  """Raises ValueError naming every enabled MaxText training feature that the post-training step lacks."""
+  enabled = [name for applies, name in _UNSUPPORTED if applies(config)]
+  if enabled:
+    raise ValueError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
 
-  # Under LoRA only the adapters are differentiated; the frozen (maybe quantized) base rides along in `rest`.
-  model_graphdef, params, rest = nnx.split(model, lora.trainable(config), ...)
 
-  def mean_loss(params):
-    local_model = nnx.merge(model_graphdef, params, rest, copy=True)
-    out = objective.loss(local_model, batch, True)
-    return out.total / jnp.maximum(out.weight, 1.0), (out, nnx.state(local_model, nnx.Not(nnx.Param)))
-
-  (loss, (out, new_rest)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-  nnx.update(model, new_rest)
-  return loss, out.weight, out.metrics, grads
+def _eval_data_sharding(config, mesh):
+  return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
 
 
 class MetricLogger(metric_logger.MetricLogger):
@@ -169,168 +142,70 @@ class MetricLogger(metric_logger.MetricLogger):
       f.write(json.dumps(row) + "\n")
 
 
-def make_train_step(objective):
-  """A train step with MaxText's signature, so MaxText's `jit_train_step` supplies shardings and donation."""
-
-  def train_step(graphdef, config, state_mesh_shardings, params_shardings, state, data, dropout_rng=None):
-    del state_mesh_shardings, dropout_rng
-    train_state = nnx.merge(graphdef, state)
-    nnx.pop(train_state.model, nnx.Intermediate)
-    loss, weight, metric_sums, raw_grads = _loss_and_grads(objective, config, train_state.model, params_shardings, data)
-    raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
-    if config.gradient_clipping_threshold > 0:
-      grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
-    else:
-      grads = raw_grads
-    if config.skip_step_on_spikes:  # MaxText's spike-skipping optimizer reads the loss and gradient norm
-      train_state.apply_gradients(grads, loss=loss, grad_norm=max_utils.l2norm_pytree(grads))
-    else:
-      train_state.apply_gradients(grads)
-    scalars = {
-        "learning/loss": loss,
-        "learning/total_weights": weight,
-        "learning/grad_norm": max_utils.l2norm_pytree(grads),
-        "learning/raw_grad_norm": max_utils.l2norm_pytree(raw_grads),
-        "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, lora.trainable(config))),
-    }
-    scalars |= {f"learning/{k}": v / jnp.maximum(weight, 1.0) for k, v in metric_sums.items()}
-    return nnx.state(train_state, nnx.Not(nnx.Intermediate)), {"scalar": scalars, "scalars": {}}
-
-  return train_step
-
-
-def make_eval_step(objective):
-  """An eval step with MaxText's signature, returning the (total, weight) of the objective's loss on one batch."""
-
-  def eval_step(graphdef, config, state, data, dropout_rng=None):
-    del config, dropout_rng
-    out = objective.loss(nnx.merge(graphdef, state).model, data, False)
-    scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
-    return {"scalar": scalars | {f"evaluation/metrics/{k}": v for k, v in out.metrics.items()}}
-
-  return eval_step
-
-
-# MaxText training features that this loop's step does not carry yet; each fails at start instead of being ignored.
-_UNSUPPORTED = (
-    (lambda c: c.num_experts > 1, "mixture-of-experts models (num_experts > 1): their load-balance loss"),
-    (lambda c: c.mtp_num_layers > 0, "multi-token prediction (mtp_num_layers > 0)"),
-    (lambda c: c.use_indexer, "the attention indexer (use_indexer)"),
-    (lambda c: c.num_vocab_tiling > 1, "vocabulary tiling (num_vocab_tiling > 1)"),
-    (lambda c: c.quantization in ("fp8", "nanoo_fp8"), "fp8 training (quantization=fp8/nanoo_fp8): its amax state"),
-    (lambda c: c.parameter_memory_host_offload, "parameter_memory_host_offload"),
-    (lambda c: c.optimizer_memory_host_offload, "optimizer_memory_host_offload"),
-    (lambda c: c.shard_optimizer_over_data, "shard_optimizer_over_data (ZeRO-1)"),
-    (lambda c: c.enable_diloco, "DiLoCo (enable_diloco)"),
-    (lambda c: c.use_qk_clip, "QK-clip (use_qk_clip)"),
-)
-
-
-def check_supported(config) -> None:
-  """Raises ValueError naming every enabled MaxText training feature that the post-training step lacks."""
-  enabled = [name for applies, name in _UNSUPPORTED if applies(config)]
-  if enabled:
-    raise ValueError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
-
-
-def _eval_data_sharding(config, mesh):
-  return sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
-
-
-def state_initializer(config, mesh) -> tuple[Callable[[], train_state_nnx.TrainStateNNX], Any]:
-  """(init_state_fn, learning-rate schedule): the policy (with its adapters under LoRA) and an optimizer over what
-  it trains, as MaxText's `setup_training_state` and `nnx.eval_shape` take it."""
-  create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
-  learning_rate_schedule, tx = train_utils.create_training_optimizer(config, abstract_model, mesh=mesh)
-
-  def init_state_fn():
-    model = lora.apply(create_model(), config)  # the policy as is when LoRA is off
-    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=lora.trainable(config)))
-
-  return init_state_fn, learning_rate_schedule
-
 
 def setup(config) -> Loop:
-  """Builds the mesh, model, optimizer, checkpointing, data and jitted steps; restores or initialises the state."""
+  """Builds the mesh, the objective's roles (frozen, then trained: restored or initialised), data and jitted steps."""
   objective_class = objectives.get(config.posttrain_mode)  # first: fails listing the registered modes
   check_supported(config)
   lora.validate_config(config)
   objective = objective_class(config)
   mesh = maxtext_utils.get_mesh_from_config(config)
-  roles = {role: roles_lib.build(role, config, mesh) for role in objective.roles}
-  init_state_fn, learning_rate_schedule = state_initializer(config, mesh)
-  with nn_partitioning.axis_rules(config.logical_axis_rules):
-    abstract_state = nnx.eval_shape(init_state_fn)
-  checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
-  checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=lora.enabled(config))
-  if lora.enabled(config):
-    checkpoint_guard.check_same_adapter_source(checkpoint_manager, config)
-    resuming = checkpoint_manager is not None and checkpointing.latest_step(checkpoint_manager) is not None
-    if config.lora.lora_restore_path and not resuming:
-      lora.check_restore_source(nnx.state(abstract_state.model, nnx.LoRAParam), config)  # before weights load
+  specs = objective.roles
+  frozen = {spec.name: roles_lib.build_frozen(spec, config, mesh) for spec in specs if not spec.trained}
   data = objective.make_data(mesh)
-  # QLoRA's state holds quantized codes, which MaxText's loader cannot fill from a full-precision checkpoint:
-  # `lora.reload_base` quantizes the checkpoint's weights instead, at the start as on every resume.
-  quantized_base = lora.enabled(config) and bool(config.lora.lora_weight_qtype) and bool(config.load_parameters_path)
-  setup_config = config_lib.with_overrides(config, load_parameters_path="") if quantized_base else config
-  state, _, state_mesh_shardings, data.train, _ = maxtext_utils.setup_training_state(
-      data.train, setup_config, mesh, checkpoint_manager, init_state_fn
-  )
-  start_step = int(state.optimizer.step.get_value())
-  train_utils.validate_completed_steps(start_step, config.steps)
-  if (start_step > 0 or quantized_base) and lora.enabled(config) and config.load_parameters_path:
-    state = lora.reload_base(state, config, mesh)
-  if config.lora.lora_restore_path and start_step == 0:  # as in MaxText: a resumed run reads its own adapters
-    state = lora.restore_adapters(state, config)
-  graphdef = nnx.graphdef(abstract_state)
-  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   data_sharding = sharding.get_input_data_sharding(config, mesh)
-  p_train_step = train_utils.jit_train_step(
-      config,
-      graphdef,
-      state,
-      state_mesh_shardings,
-      data_sharding,
-      make_train_step(objective),
-      params_shardings,
-      mesh=mesh,
-  )
-  p_eval_step = None
-  if data.eval is not None:
-    p_eval_step = train_utils.jit_eval_step(
-        config, graphdef, state_mesh_shardings, _eval_data_sharding(config, mesh), make_eval_step(objective)
+  eval_sharding = _eval_data_sharding(config, mesh) if data.eval is not None else None
+  trained = {}
+  for index, spec in enumerate(s for s in specs if s.trained):
+    role_config = roles_lib.role_config(config, spec, primary=index == 0)
+    # The primary role's checkpoints carry the data iterator's state; the others restore none.
+    iterator = data.train if index == 0 else None
+    trained[spec.name], iterator = trained_model.build(
+        spec, role_config, mesh, iterator, frozen, data_sharding, eval_sharding if index == 0 else None
     )
+    if index == 0:
+      data.train = iterator
+  start_step = _common_start_step(trained)
+  objective.load_host_state(objective_state.restore(config, start_step))
   manifest.write(config, data.description, start_step, mesh)
   return Loop(
       config=config,
       mesh=mesh,
       objective=objective,
-      graphdef=graphdef,
-      state=state,
-      state_mesh_shardings=state_mesh_shardings,
-      checkpoint_manager=checkpoint_manager,
+      trained=trained,
+      frozen=frozen,
       data=data,
       train_batches=data_loader.DataLoader(config, mesh, data.train, None),
-      learning_rate_schedule=learning_rate_schedule,
-      p_train_step=p_train_step,
-      p_eval_step=p_eval_step,
       step=start_step,
       start_step=start_step,
-      roles=roles,
   )
+
+
+def _common_start_step(trained: dict[str, trained_model.TrainedModel]) -> int:
+  """The step every trained role resumes at; raises ValueError naming their checkpoint steps if they differ (a run
+  stopped between the saves of two roles) rather than pairing models of different steps."""
+  steps = {name: model.start_step for name, model in trained.items()}
+  if len(set(steps.values())) > 1:
+    listed = ", ".join(f"{name} at step {step - 1} ({model.config.checkpoint_dir})" for (name, step), model in zip(
+        steps.items(), trained.values()))
+    raise ValueError(
+        f"The trained roles' latest checkpoints differ: {listed}. Remove the newer step directories so that all "
+        "roles resume from the same step."
+    )
+  return next(iter(steps.values()))
 
 
 def evaluate(loop: Loop, logger: MetricLogger | None = None) -> dict[str, float]:
   """Held-out loss over `eval_steps` batches plus the objective's own evaluation; logs and returns the scalars."""
   config = loop.config
   results = {}
-  if loop.p_eval_step is not None:
+  primary = loop.primary
+  if primary.p_eval_step is not None:
     sums = {}  # summed on device; read once after the last batch
     loop.data.eval.reset()
     for eval_count, batch in enumerate(loop.data.eval):
       batch = loop.objective.before_eval_step(loop, jax.device_put(batch, _eval_data_sharding(config, loop.mesh)))
-      with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules_for_eval):
-        scalars = loop.p_eval_step(loop.state, batch)["scalar"]
+      scalars = primary.eval_step(batch, loop.frozen_states())["scalar"]
       sums = {k: sums.get(k, 0.0) + v for k, v in scalars.items()}
       if 0 < config.eval_steps <= eval_count + 1:
         break
@@ -362,11 +237,45 @@ def _numeric_leaves(tree: dict, prefix: str) -> dict[str, float]:
   return flat
 
 
+def _train_step(loop: Loop, batch) -> dict[str, Any]:
+  """One step of every trained role the objective trains at this step, on the same batch: the primary role's
+  metrics as MaxText's logger reads them (its loss NaN and weight 0 at a step it does not train, as in PPO's critic
+  warm-up), each other role's under `<role>/`. With more than one trained role each role's step is timed
+  (`perf/<role>_train_seconds`), which waits for its result."""
+  frozen_states = loop.frozen_states()
+  metrics = {"scalar": {"learning/loss": float("nan"), "learning/total_weights": 0.0}, "scalars": {}}
+  timed = len(loop.trained) > 1
+  for name, model in loop.trained.items():
+    if not loop.objective.trains(name, loop.step):
+      continue
+    start = time.perf_counter()
+    role_metrics = model.train_step(batch, frozen_states)
+    if timed:
+      jax.block_until_ready(role_metrics)
+    if model is loop.primary:
+      metrics["scalar"].update(role_metrics["scalar"])
+    else:
+      metrics["scalar"].update({f"{name}/{k.split('/', 1)[-1]}": v for k, v in role_metrics["scalar"].items()})
+    if timed:
+      metrics["scalar"][f"perf/{name}_train_seconds"] = time.perf_counter() - start
+  return metrics
+
+
+def _save(loop: Loop, step: int, final: bool = False) -> None:
+  """Saves the objective's host state, then every trained role at `step`, the primary role last (with the data
+  iterator), so a run killed between saves leaves the primary role's latest step complete in every role."""
+  objective_state.save(loop.config, step, loop.objective.host_state(), final)
+  models = list(loop.trained.values())
+  for model in models[1:] + models[:1]:
+    model.save(step, loop.data.train if model is loop.primary else None, final)
+
+
 def train(loop: Loop) -> dict[str, Any]:
   """Runs steps `loop.step .. config.steps`, evaluating every `eval_interval` steps; returns a summary."""
   config = loop.config
-  logger = MetricLogger(config, loop.learning_rate_schedule, loop.objective, start_step=loop.start_step)
-  logger.write_setup_info_to_tensorboard(loop.state.model.filter(nnx.Param))
+  primary = loop.primary
+  logger = MetricLogger(config, primary.learning_rate_schedule, loop.objective, start_step=loop.start_step)
+  logger.write_setup_info_to_tensorboard(primary.state.model.filter(nnx.Param))
   # Example counts (truncated, skipped, tokens) of each split, so they sit beside the curves they explain.
   logger.write_scalars(_numeric_leaves(loop.data.description, "data"), loop.step, "data")
   eval_due = config.eval_interval > 0
@@ -383,13 +292,12 @@ def train(loop: Loop) -> dict[str, Any]:
       batch = loop.objective.before_step(loop, batch)
       if step == loop.start_step:
         _check_batch_keys(loop.objective, batch)
-      with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-        loop.state, metrics = loop.p_train_step(loop.state, batch)
+      metrics = _train_step(loop, batch)
       now = datetime.datetime.now()
       step_time, last_step_end = now - last_step_end, now
       loop.step = step + 1
-      checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train, step)
       loop.objective.after_step(loop, step, metrics)
+      _save(loop, step)
       reached_target = False
       if eval_due and loop.step % config.eval_interval == 0:
         results = summary["evals"][loop.step] = evaluate(loop, logger)
@@ -403,10 +311,10 @@ def train(loop: Loop) -> dict[str, Any]:
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."
         )
         break
-    if config.save_checkpoint_on_completion:
-      checkpointing.maybe_save_checkpoint(loop.checkpoint_manager, loop.state, config, loop.data.train)
-    if loop.checkpoint_manager is not None:
-      checkpointing.wait_until_finished(loop.checkpoint_manager)
+    if config.save_checkpoint_on_completion and loop.step > loop.start_step:
+      _save(loop, loop.step - 1, final=True)
+    for model in loop.trained.values():
+      model.wait_until_finished()
   finally:
     logger.flush_metrics_and_cleanup()
   summary["end_step"] = loop.step

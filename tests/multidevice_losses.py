@@ -37,16 +37,16 @@ def first_losses(out_dir, tfds_dir, steps, overrides, run_name, initial_params=N
   )
   loop = trainer.setup(config)
   if initial_params is None:
-    initial_params = jax.device_get(loop.state.model.filter(nnx.Param).to_pure_dict())
+    initial_params = jax.device_get(loop.primary.state.model.filter(nnx.Param).to_pure_dict())
   elif config.using_pipeline_parallelism:
-    target = loop.state.model.filter(nnx.Param)
+    target = loop.primary.state.model.filter(nnx.Param)
     moved = _pipeline_layout(initial_params, config.param_scan_axis)
     target.replace_by_pure_dict(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), moved, target.to_pure_dict()))
-    nnx.update(loop.state.model, target)
+    nnx.update(loop.primary.state.model, target)
   losses = []
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for _ in range(steps):
-      loop.state, metrics = loop.p_train_step(loop.state, loop.train_batches.load_next_batch())
+      loop.primary.state, metrics = loop.primary.p_train_step(loop.primary.state, loop.train_batches.load_next_batch(), {})
       losses.append(float(metrics["scalar"]["learning/loss"]))
   return {"overrides": overrides, "mesh": dict(loop.mesh.shape), "losses": losses}, initial_params
 

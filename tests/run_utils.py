@@ -16,3 +16,9 @@ def losses(metrics_file) -> dict[int, float]:
   with open(metrics_file, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   return {int(r["step"]): r["learning/loss"] for r in rows if "learning/loss" in r}
+
+
+def rows(metrics_file) -> dict[int, dict]:
+  """MaxText's metrics_file rows of training steps, by step (a resumed step keeps its last row)."""
+  with open(metrics_file, encoding="utf-8") as f:
+    return {int(r["step"]): r for r in map(json.loads, f) if "learning/loss" in r}

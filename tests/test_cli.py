@@ -127,7 +127,7 @@ def test_user_errors_end_in_one_line_at_the_command_line(tmp_path):
   assert _last_line(missing).startswith(
       "maxtext_posttrain.train: error: FileNotFoundError: Config file 'configs/nope.yml' does not exist"
   )
-  assert "bundled config: dpo.yml, grpo.yml, sft.yml, sft_lora.yml" in _last_line(missing)
+  assert "bundled config: dpo.yml, grpo.yml, ppo.yml, reward_model.yml, sft.yml, sft_lora.yml" in _last_line(missing)
 
   data = _train("sft.yml", *common, "grain_file_type=jsonl", "grain_train_files=/nowhere/*.jsonl", cwd=tmp_path)
   assert data.returncode == 1

@@ -14,6 +14,7 @@ from maxtext_posttrain import objectives
 from maxtext_posttrain import trainer
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives import grpo
+from maxtext_posttrain.objectives import rl_base
 from maxtext_posttrain.rewards import shaping
 from tests import run_utils
 
@@ -86,7 +87,7 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("rl.num_generations=1",), "at least 2 completions"),
+        (("rl.num_generations=1",), "needs at least 2 completions per prompt"),
         (("packing=true",), "set packing=false"),
         (("rl.overlong_buffer_length=32",), "below the generation budget"),
         (("max_target_length=64",), "leaves none"),
@@ -98,12 +99,13 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
     ],
 )
 def test_bad_rl_settings_fail_naming_the_key(make_config, overrides, message):
+  """The GRPO objective checks its rl.* keys when the loop builds it, before any model or data."""
   with pytest.raises(ValueError, match=message):
-    make_config(*overrides, config_file=GRPO)
+    grpo.GRPO(make_config(*overrides, config_file=GRPO))
 
 
 def test_training_rows_put_sampler_logprobs_on_the_completion_targets():
-  rows = grpo.training_rows([[1, 10, 11]], [[20, 21, 2]], [np.array([-0.5, -0.25, -0.125, 0.0])], length=8)
+  rows = rl_base.training_rows([[1, 10, 11]], [[20, 21, 2]], [np.array([-0.5, -0.25, -0.125, 0.0])], length=8)
   np.testing.assert_array_equal(rows["inputs"][0], [1, 10, 11, 20, 21, 0, 0, 0])
   np.testing.assert_array_equal(rows["targets"][0], [10, 11, 20, 21, 2, 0, 0, 0])
   np.testing.assert_array_equal(rows["completion_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])  # predicting 20, 21, eos
@@ -139,8 +141,8 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   loop = trainer.setup(config)
   batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    logps, _ = jax.jit(lambda state, b: grpo.token_logps(nnx.merge(loop.graphdef, state).model, b, 0.7))(
-        loop.state, batch
+    logps, _ = jax.jit(lambda state, b: grpo.token_logps(nnx.merge(loop.primary.graphdef, state).model, b, 0.7))(
+        loop.primary.state, batch
     )
   mask = np.asarray(batch["completion_mask"]) != 0
   difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
@@ -150,8 +152,8 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   stale = batch | {"old_logps": batch["old_logps"] - 1.0}
   for objective, expected_ratio in ((loop.objective, np.e), (grpo.GRPO(forced), 1.0)):
     with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-      out = jax.jit(lambda state, b, o=objective: o.loss(nnx.merge(loop.graphdef, state).model, b, False))(
-          loop.state, stale
+      out = jax.jit(lambda state, b, o=objective: o.loss(nnx.merge(loop.primary.graphdef, state).model, b, False))(
+          loop.primary.state, stale
       )
     np.testing.assert_allclose(float(out.metrics["ratio_mean"] / out.weight), expected_ratio, rtol=1e-4)
 
@@ -239,7 +241,7 @@ def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
       f"metrics_file={tmp_path / 'metrics.jsonl'}", config_file=GRPO,
   )  # fmt: skip
   loop = trainer.setup(config)
-  assert loop.roles["reference"].follows_policy
+  assert loop.frozen["reference"].follows_policy
   frozen = lambda: jax.device_get(nnx.state(loop.policy(), nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))).to_pure_dict())
   base = frozen()
   trainer.train(loop)

@@ -27,7 +27,7 @@ def test_grpo_over_a_padded_vocabulary_samples_decodable_ids_and_keeps_the_ratio
   mask = np.asarray(batch["completion_mask"]) != 0
   sampled = np.asarray(batch["targets"])[mask]
   assert sampled.size >= 8 and sampled.max() < NUM_PIECES
-  model = lambda state: nnx.merge(loop.graphdef, state).model
+  model = lambda state: nnx.merge(loop.primary.graphdef, state).model
 
   def score(state, b):
     """The trainer's log-probs of the targets over the decodable ids, its tempered logits, and the unmasked ones."""
@@ -35,8 +35,8 @@ def test_grpo_over_a_padded_vocabulary_samples_decodable_ids_and_keeps_the_ratio
     return logps, logits, grpo.token_logps(model(state), b, 0.7)[1]
 
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    logps, logits, unmasked = jax.device_get(jax.jit(score)(loop.state, batch))
-    out = jax.jit(lambda state, b: loop.objective.loss(model(state), b, False))(loop.state, batch)
+    logps, logits, unmasked = jax.device_get(jax.jit(score)(loop.primary.state, batch))
+    out = jax.jit(lambda state, b: loop.objective.loss(model(state), b, False))(loop.primary.state, batch)
   assert (unmasked.argmax(-1)[mask] >= NUM_PIECES).mean() > 0.25, "too few padding ids preferred to test the mask"
   difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
   assert difference.max() < 1e-4, difference.max()

@@ -59,7 +59,7 @@ def test_lora_trains_only_the_adapters(lora_run):
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), _adapters(model), lora_run["before"]["adapters"])
   assert jax.tree.leaves(moved) and all(jax.tree.leaves(moved)), moved
   # Adam's moments mirror the adapters exactly (same tree), nothing of the base.
-  mu = lora_run["loop"].state.optimizer.opt_state[0].mu.to_pure_dict()
+  mu = lora_run["loop"].primary.state.optimizer.opt_state[0].mu.to_pure_dict()
   assert jax.tree.structure(mu) == jax.tree.structure(_adapters(model))
 
 
@@ -150,7 +150,7 @@ def test_lora_restore_path_starts_a_fresh_run_from_stored_adapters_and_a_resume_
   loop = trainer.setup(_config(tmp, tfds_dir, *common, "steps=2", f"metrics_file={metrics}", run_name="restored"))
   assert loop.step == 0
   jax.tree.map(np.testing.assert_array_equal, _adapters(loop.policy()), source)
-  mu = jax.tree.leaves(loop.state.optimizer.opt_state[0].mu.to_pure_dict())
+  mu = jax.tree.leaves(loop.primary.state.optimizer.opt_state[0].mu.to_pure_dict())
   assert mu and not any(np.any(np.asarray(m)) for m in mu)  # a fresh optimizer
   trainer.train(loop)
   assert run_utils.losses(metrics)[0] < 0.6 * lora_run["losses"][0]  # trained level, not a random model's 6.2
@@ -256,9 +256,9 @@ def test_generation_eval_decodes_the_lora_policy_with_merged_weights(lora_run):
   continuation (float32 weights, so merging rounds nothing that could flip an argmax)."""
   loop = lora_run["loop"]
   loop.objective.evaluate(loop)  # generation eval runs on the LoRA policy
-  sampler, _, prompt_set = loop.cache["greedy_eval"]
+  _, prompt_set = loop.cache["greedy_eval"]
   prompt = list(prompt_set.prompt_ids[0])
-  decoded = sampler.generate(lora.policy_params(loop.policy(), loop.config), [prompt], 4, eos_id=-1)[0]
+  decoded = loop.sampler().generate(lora.policy_params(loop.policy(), loop.config), [prompt], 4, eos_id=-1)[0]
   tokens = list(prompt)
   for _ in range(4):  # the adapter model, recomputed on the growing sequence
     ids = np.asarray([tokens], np.int32)

@@ -81,7 +81,7 @@ def test_load_parameters_path_starts_from_maxtexts_own_pretraining_checkpoint(ma
   stored = ocp.load_checkpointables(checkpoint)["items"]["params"]["params"]
   loop = trainer.setup(make_config("steps=2", "eval_interval=0", f"load_parameters_path={checkpoint}/items"))
   assert loop.step == 0  # a new run: MaxText's weights, a fresh optimizer
-  loaded = loop.state.model.filter(nnx.Param).to_pure_dict()
+  loaded = loop.primary.state.model.filter(nnx.Param).to_pure_dict()
   assert jax.tree.structure(loaded) == jax.tree.structure(stored)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), jax.device_get(stored))
 

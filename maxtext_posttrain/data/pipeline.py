@@ -26,6 +26,7 @@ from maxtext.input_pipeline import input_pipeline_utils
 from maxtext.input_pipeline import multihost_dataloading
 from maxtext.input_pipeline import tokenizer as maxtext_tokenizer
 from maxtext.utils import max_logging
+from maxtext.utils import sharding as maxtext_sharding
 from maxtext_posttrain.data import sources
 
 
@@ -238,6 +239,13 @@ def host_iterator(examples, batch, config, mesh, train: bool):
   )
   make = functools.partial(_make_iterator, examples, batch, train)
   return input_pipeline_interface.create_process_specific_iterator(config, mesh, process_indices, make, train)
+
+
+def global_batch(rows: dict[str, np.ndarray], config, mesh) -> dict[str, jax.Array]:
+  """Host arrays that every process holds whole (rollout rows, reference scoring batches) as global arrays on the
+  input data sharding, each process placing the slices its devices hold."""
+  sharding = maxtext_sharding.get_input_data_sharding(config, mesh)
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in rows.items()}
 
 
 def check_supported(config):

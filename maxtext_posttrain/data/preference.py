@@ -24,6 +24,7 @@ from maxtext_posttrain.data import sources
 SIDES = ("chosen", "rejected")
 FIELDS = ("inputs", "targets", "positions", "segmentation", "weights")
 COLUMNS = ("prompt", "chosen", "rejected")
+MARGIN = "margin"  # an optional fourth column: a per-pair reward margin (reward-model training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +113,12 @@ def _fit(prompt, chosen, rejected, config, max_prompt: int, where: str):
 
 def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, config, split: str):
   """One pass over `source` in order: (PairExamples, PairSplitStats)."""
-  prompt_column, chosen_column, rejected_column = (
+  prompt_column, chosen_column, rejected_column, *margin_column = (
       config.train_data_columns if split == "train" else config.eval_data_columns
   )
   max_prompt = config_lib.preference(config).max_prompt_length
   digest = hashlib.sha256()
-  kept, num_identical, num_truncated, num_skipped, num_tokens = [], 0, 0, 0, 0
+  kept, margins, num_identical, num_truncated, num_skipped, num_tokens = [], [], 0, 0, 0, 0
   for index in range(len(source)):
     record = source[index]
     if record[chosen_column] == record[rejected_column]:
@@ -140,6 +141,8 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
     for ids in (prompt, chosen, rejected):
       digest.update(np.asarray([len(ids)] + ids, dtype=np.int64).tobytes())
     kept.append((prompt, chosen, rejected))
+    if margin_column:
+      margins.append(_margin(record[margin_column[0]], where, margin_column[0]))
   stats = PairSplitStats(
       source=source.description,
       num_examples=len(source),
@@ -152,13 +155,25 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
   )
   if not kept:
     raise ValueError(f"Empty {split} split: none of the {len(source)} pairs of {source.description} was kept.")
-  return PairExamples(tuple(kept), config.max_target_length, encoder.pad_id), stats
+  extra = {MARGIN: np.asarray(margins, np.float32)} if margin_column else {}
+  return PairExamples(tuple(kept), config.max_target_length, encoder.pad_id, extra), stats
+
+
+def _margin(value, where: str, column: str) -> float:
+  try:
+    margin = float(value)
+  except ValueError:
+    margin = float("nan")
+  if not np.isfinite(margin):
+    raise ValueError(f"{where}: column {column!r} holds {value!r}, not a finite number (a per-pair reward margin).")
+  return margin
 
 
 def prepare_pairs(config, train: bool, encoder: pipeline.Encoder | None = None):
   """Opens and tokenizes the train (or eval) split: (PairExamples, PairSplitStats)."""
   encoder = encoder or pipeline.Encoder.from_config(config)
-  source = sources.open_source(config, train, COLUMNS)
+  columns = tuple(config.train_data_columns if train else config.eval_data_columns)
+  source = sources.open_source(config, train, COLUMNS + (MARGIN,) if len(columns) == len(COLUMNS) + 1 else COLUMNS)
   return tokenize_pairs(source, encoder, config, "train" if train else "eval")
 
 

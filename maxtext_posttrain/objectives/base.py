@@ -11,9 +11,11 @@ mean of per-microbatch means.
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Mapping
 
 import jax
+
+from maxtext_posttrain import roles as roles_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,32 +40,36 @@ class ObjectiveData:
 
 
 class Objective(abc.ABC):
-  """An objective: its roles, batch spec, data, loss and train-step hooks.
+  """An objective: its roles, batch spec, data, losses and train-step hooks.
 
   Attributes:
     name: the `posttrain_mode` value.
-    roles: frozen models besides the trained policy that the objective reads (`reference`); the loop builds them
-      (`maxtext_posttrain.roles`) and hooks reach them through `loop.role(name)`. May be set per instance.
+    roles: the models the objective trains and reads, as `roles.RoleSpec`s; the first trained one is the primary
+      role, whose loss is `loss` (by default the only role: the policy). The loop builds them; hooks reach frozen
+      ones through `loop.role(name)` and trained ones through `loop.trained[name]`. Set per instance.
     batch_keys: the arrays every batch carries; the loop checks batches against them.
     rows_per_example: trained rows per row the data iterator yields (RL: the G completions of a prompt), for the
       tokens/s of the progress line.
   """
 
   name: ClassVar[str]
-  roles: ClassVar[tuple[str, ...]] = ()
   batch_keys: ClassVar[tuple[str, ...]]
   rows_per_example: int = 1
 
   def __init__(self, config):
     self.config = config
+    self.roles: tuple[roles_lib.RoleSpec, ...] = (roles_lib.policy(self.loss),)
 
   @abc.abstractmethod
   def make_data(self, mesh) -> ObjectiveData:
     """Builds the train (and eval) iterators of global batches with `batch_keys`."""
 
   @abc.abstractmethod
-  def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
-    """Pure JAX: the loss of `model` (the policy, an NNX MaxText model) on one (micro)batch. Runs under jit."""
+  def loss(
+      self, model, batch: dict[str, jax.Array], is_train: bool, frozen: Mapping[str, Any] | None = None
+  ) -> LossOutput:
+    """Pure JAX: the loss of the primary role's `model` (an NNX MaxText model) on one (micro)batch, `frozen` the
+    in-step frozen roles' models by name. Runs under jit. Other trained roles name their loss in their RoleSpec."""
 
   def wants_batch(self, loop) -> bool:
     """Whether the loop draws the next batch from the data iterator before this step; when not, `before_step`
@@ -84,6 +90,19 @@ class Objective(abc.ABC):
   def after_step(self, loop, step: int, metrics: dict[str, Any]) -> None:
     """Host-side hook after each train step (weight sync, adaptive KL, ...)."""
     del loop, step, metrics
+
+  def trains(self, role: str, step: int) -> bool:
+    """Whether trained role `role` takes an optimizer step at `step` (PPO's critic warm-up holds the policy)."""
+    del role, step
+    return True
+
+  def host_state(self) -> dict[str, Any]:
+    """JSON-able host-side state that a resumed run must get back (saved with each checkpoint)."""
+    return {}
+
+  def load_host_state(self, state: dict[str, Any]) -> None:
+    """Restores what `host_state` returned at the step a resumed run continues from ({} on a fresh run)."""
+    del state
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
     """{label: value} of the figures that tell how this objective's training goes, read from a train step's scalar

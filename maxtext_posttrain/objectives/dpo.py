@@ -18,18 +18,33 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from maxtext.utils import max_logging
-from maxtext.utils import sharding as maxtext_sharding
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import forward
 from maxtext_posttrain import roles
+from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference as preference_data
-from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import preference as preference_losses
 from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
 
 REFERENCE_KEYS = tuple(f"{side}_reference_logps" for side in preference_data.SIDES)
 
 
-def _interleave(batch: dict[str, jax.Array], field: str) -> jax.Array:
+def check_config(config) -> None:
+  """Raises ValueError for settings posttrain_mode=dpo (and reward-model training, on the same pairs) cannot honour."""
+  dpo = config_lib.preference(config)
+  mode = f"posttrain_mode={config.posttrain_mode}"
+  if config.packing:
+    raise ValueError(f"{mode} does not pack pairs; set packing=false.")
+  if dpo.max_prompt_length >= config.max_target_length:
+    raise ValueError(
+        f"dpo.max_prompt_length={dpo.max_prompt_length} leaves no room for a completion within "
+        f"max_target_length={config.max_target_length}."
+    )
+  if dpo.algo in ("ipo", "orpo") and dpo.dpo_label_smoothing:
+    raise ValueError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={dpo.algo}.")
+
+
+def interleave(batch: dict[str, jax.Array], field: str) -> jax.Array:
   """[B, L] chosen and rejected arrays -> [2B, L] rows, pair i at rows 2i (chosen) and 2i + 1 (rejected)."""
   chosen, rejected = (batch[f"{side}_{field}"] for side in preference_data.SIDES)
   return jnp.stack([chosen, rejected], axis=1).reshape(-1, chosen.shape[-1])
@@ -37,14 +52,16 @@ def _interleave(batch: dict[str, jax.Array], field: str) -> jax.Array:
 
 def token_logps(model, batch: dict[str, jax.Array], enable_dropout: bool = False) -> tuple[jax.Array, jax.Array]:
   """Per-token log-probs of both sides' completion tokens (0 elsewhere) from one forward: ([B, 2, L], weights)."""
-  logits = model(
-      decoder_input_tokens=_interleave(batch, "inputs"),
-      decoder_positions=_interleave(batch, "positions"),
-      decoder_segment_ids=_interleave(batch, "segmentation"),
+  logps, _ = forward.token_logps(
+      model,
+      interleave(batch, "inputs"),
+      interleave(batch, "positions"),
+      interleave(batch, "segmentation"),
+      interleave(batch, "targets"),
       enable_dropout=enable_dropout,
   )
-  weights = _interleave(batch, "weights").astype(jnp.float32)
-  logps = logprobs_lib.token_logprobs(logits, _interleave(batch, "targets")) * weights
+  weights = interleave(batch, "weights").astype(jnp.float32)
+  logps = logps * weights
   pairs, length = batch["chosen_inputs"].shape
   return logps.reshape(pairs, 2, length), weights.reshape(pairs, 2, length)
 
@@ -64,11 +81,13 @@ class Preference(Objective):
 
   def __init__(self, config):
     super().__init__(config)
+    check_config(config)
     self.dpo = config_lib.preference(config)
     self.needs_reference = self.dpo.algo in ("dpo", "ipo")
     self.precompute = self.needs_reference and self.dpo.precompute_reference_logprobs
     # A precomputing run uses the reference once, in make_data, and keeps no model for it.
-    self.roles = ("reference",) if self.needs_reference and not self.precompute else ()
+    if self.needs_reference and not self.precompute:
+      self.roles += (roles.reference(),)
     if self.needs_reference:
       self.batch_keys = self.batch_keys + REFERENCE_KEYS
 
@@ -84,21 +103,19 @@ class Preference(Objective):
     """`examples` with every pair's reference log-probs, scored once in global batches by a reference model that
     is freed afterwards. Every process scores all pairs (each holds all of them), so all get the same arrays."""
     config = self.config
-    reference = roles.build("reference", config, mesh, copy=True)
-    sharding = maxtext_sharding.get_input_data_sharding(config, mesh)
+    reference = roles.build_frozen(roles.reference(), config, mesh, copy=True)
     batch_size = config.global_batch_size_to_load
     scored = {key: np.zeros((len(examples), config.max_target_length), np.float32) for key in REFERENCE_KEYS}
     max_logging.log(f"Precomputing reference log-probs of {len(examples)} training pairs.")
     for start in range(0, len(examples), batch_size):
       indices = [min(i, len(examples) - 1) for i in range(start, start + batch_size)]  # the last batch repeats
       rows = [examples[i] for i in indices]
-      host = {key: np.stack([row[key] for row in rows]) for key in rows[0]}
-      batch = {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host.items()}
+      batch = pipeline.global_batch({key: np.stack([row[key] for row in rows]) for key in rows[0]}, config, mesh)
       out = multihost_utils.process_allgather(reference.run(reference_logps, batch), tiled=True)
       count = min(batch_size, len(examples) - start)
       for key in REFERENCE_KEYS:
         scored[key][start : start + count] = np.asarray(out[key])[:count]
-    return preference_data.PairExamples(examples.pairs, examples.length, examples.pad_id, scored)
+    return preference_data.PairExamples(examples.pairs, examples.length, examples.pad_id, examples.extra | scored)
 
   def _add_reference(self, loop, batch):
     if self.needs_reference and not self.precompute:
@@ -118,7 +135,8 @@ class Preference(Objective):
         "reward_margin": float(scalars["learning/rewards/margin"]),
     }
 
-  def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
+    del frozen
     config = self.config
     logps, weights = token_logps(model, batch, enable_dropout=config.enable_dropout and is_train)
     sums, lengths = logps.sum(-1), weights.sum(-1)  # [B, 2]

@@ -5,6 +5,7 @@ from typing import Any
 
 import jax
 
+from maxtext_posttrain import forward
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import cross_entropy
 from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
@@ -29,14 +30,14 @@ class SFT(Objective):
     train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh)
     return ObjectiveData(train=train, eval=evaluation, description=stats.to_dict())
 
-  def loss(self, model, batch: dict[str, jax.Array], is_train: bool) -> LossOutput:
-    logits = model(
-        decoder_input_tokens=batch["inputs"],
-        decoder_positions=batch["inputs_position"],
-        decoder_segment_ids=batch["inputs_segmentation"],
-        enable_dropout=self.config.enable_dropout if is_train else False,
-        decoder_target_tokens=batch["targets"],
-        decoder_target_mask=batch["targets_segmentation"],
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
+    del frozen
+    logits = forward.logits(
+        model,
+        batch["inputs"],
+        batch["inputs_position"],
+        batch["inputs_segmentation"],
+        enable_dropout=self.config.enable_dropout and is_train,
     )
     # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
     total, weight, z_total = cross_entropy.token_cross_entropy(

@@ -2,8 +2,9 @@
 
 MaxText already turns the `lora.*` keys into a qwix `LoraProvider` (`lora_utils._build_lora_provider`), saves and
 restores only the adapter state when `lora.enable_lora` is set (`checkpointing._filter_lora_trainable_state`) and
-builds its optimizer over `nnx.LoRAParam`. The loop calls `apply` inside its state initialiser and differentiates
-`trainable(config)`, so every objective (SFT, DPO, RL, distillation) gets adapters without knowing about them.
+builds its optimizer over `nnx.LoRAParam`. A trained role's model initialiser calls `apply`, and its start
+(`prepare_start`, `finish_start`) reads what LoRA needs, so every objective (SFT, DPO, RL, distillation) and every
+trained role in `lora_roles` gets adapters without knowing about them.
 What this module adds is what MaxText leaves to a failed trace or a silent no-op: a target regex that matches no
 module, a rank that is not below the layer width, an alpha that scales the adapters to zero, adapters that compute
 in `dtype` as MaxText's kernels do (qwix's own promote a bfloat16 layer to their float32 `weight_dtype`, which fails
@@ -27,6 +28,7 @@ from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from maxtext.common import checkpointing
+from maxtext.configs import pyconfig
 from maxtext.utils import model_creation_utils
 from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
@@ -34,45 +36,12 @@ from maxtext.utils import max_logging
 from maxtext_posttrain import checkpoint_guard
 
 _LISTED = 8
-# Roles whose weights are trained; frozen roles (reference, teacher) never carry adapters.
-TRAINED_ROLES = ("policy",)  # the roles the loop builds and trains; a critic arrives with PPO
-
-
-def _adapter_state(state):
-  """What an adapter-only checkpoint holds: MaxText's selection (adapters, their optimizer moments, `step`) plus
-  optax's `count` leaves. MaxText 0.2.5's `_filter_lora_trainable_state` treats the on-disk optax chain (a list)
-  as one leaf and drops it whole, so a resumed run restarted Adam's moments, bias correction and learning-rate
-  schedule at 0 and diverged from the uninterrupted run."""
-
-  def keep(path, value=None) -> bool:
-    names = [str(getattr(p, "key", p)).lower() for p in path]
-    return isinstance(value, nnx.LoRAParam) or any("lora" in n or "step" in n for n in names) or names[-1] == "count"
-
-  if isinstance(state, (nnx.State, nnx.Module)):
-    return nnx.state(state, keep)
-
-  def select(node, path=()):
-    if isinstance(node, list):  # an optax chain in MaxText's on-disk layout
-      return [select(v, (*path, i)) or {} for i, v in enumerate(node)]
-    if not isinstance(node, dict):
-      return node if keep(path) else None
-    kept = {k: v for k, v in ((k, select(v, (*path, k))) for k, v in node.items()) if v is not None}
-    return kept or None
-
-  return select(state)
-
-
-# Used by MaxText's save, restore and weight checks alike, so all three agree on what an adapter checkpoint holds.
-checkpointing._filter_lora_trainable_state = _adapter_state  # pylint: disable=protected-access
+# Trained roles that may carry adapters; frozen roles (reference, reward model, teacher) never do.
+TRAINED_ROLES = ("policy", "critic", "reward_model")
 
 
 def enabled(config, role: str = "policy") -> bool:
   return config.lora.enable_lora and role in config.lora_roles
-
-
-def trainable(config, role: str = "policy") -> type[nnx.Variable]:
-  """The variable type that gets gradients and optimizer state: the adapters under LoRA, every weight otherwise."""
-  return nnx.LoRAParam if enabled(config, role) else nnx.Param
 
 
 def module_path_regex(config) -> str:
@@ -329,10 +298,10 @@ def starting_adapters(adapters: nnx.State, config) -> nnx.State:
   if not path:
     return jax.tree.map(lambda x: jnp.zeros_like(x, device=x.sharding), adapters)
   check_restore_source(adapters, config)
-  return _load_like(path, adapters, config)
+  return load_like(path, adapters, config)
 
 
-def _load_like(path: str, tree: nnx.State, config) -> nnx.State:
+def load_like(path: str, tree: nnx.State, config) -> nnx.State:
   """The weights of `tree`'s paths read from the checkpoint at `path` by MaxText's loader, with `tree`'s shapes,
   dtypes and shardings."""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -384,12 +353,39 @@ def reload_base(state: nnx.State, config, mesh) -> nnx.State:
   codes: MaxText's loader builds the full-precision model from the checkpoint and qwix quantizes it exactly as at
   model creation, so a QLoRA run always starts from (and resumes on) the quantized checkpoint.
   """
-  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  # A scalar head is trained beside the adapters (adapter_checkpoint), so it is not part of the frozen base.
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(nnx.PathContains("scalar_head")))
   base = state.model.filter(frozen)
   if config.lora.lora_weight_qtype:
     quantized = nnx.state(_pretrained_with_adapters(config, mesh), frozen)
     loaded = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), quantized, base)
   else:
-    loaded = _load_like(config.load_parameters_path, base, config)
+    loaded = load_like(config.load_parameters_path, base, config)
   state["model"] = nnx.merge_state(state.model, loaded)
+  return state
+
+
+def prepare_start(config, checkpoint_manager, abstract_state, resuming: bool):
+  """LoRA's checks before a trained role's state is restored or initialised, in order, before any weights load: a
+  resumed run keeps its `lora.lora_restore_path`; a fresh run's restore source holds adapters this model takes.
+  Returns the config MaxText's `setup_training_state` runs with: under QLoRA without `load_parameters_path`, since
+  its quantized codes cannot be filled from a full-precision checkpoint (`finish_start` quantizes it instead)."""
+  checkpoint_guard.check_same_adapter_source(checkpoint_manager, config)
+  if config.lora.lora_restore_path and not resuming:
+    check_restore_source(nnx.state(abstract_state.model, nnx.LoRAParam), config)
+  if config.lora.lora_weight_qtype and config.load_parameters_path:
+    return pyconfig.HyperParameters(
+        config._pydantic_config.model_copy(update={"load_parameters_path": ""})  # pylint: disable=protected-access
+    )
+  return config
+
+
+def finish_start(state: nnx.State, config, mesh, resuming: bool) -> nnx.State:
+  """The restored or initialised `state` completed for LoRA: its frozen base read from `load_parameters_path`
+  (an adapter checkpoint holds none; QLoRA quantizes it), then, on a fresh run, the adapters of
+  `lora.lora_restore_path` (a resumed run reads its own, as MaxText does)."""
+  if (resuming or config.lora.lora_weight_qtype) and config.load_parameters_path:
+    state = reload_base(state, config, mesh)
+  if config.lora.lora_restore_path and not resuming:
+    state = restore_adapters(state, config)
   return state

@@ -1,0 +1,49 @@
+"""An objective's host-side state (PPO's adaptive KL coefficient), saved at the steps its models are saved.
+
+Model weights and optimizer state live in orbax checkpoints; a few floats an objective keeps on the host would be
+lost on a resume, and a resumed run would then differ from an uninterrupted one. They are written as JSON to
+`<run>/objective_state/<step>.json` (atomically: a temporary file renamed) by process 0, before the models' own
+saves at that step, and read back for the step a resumed run continues from.
+"""
+
+import json
+import os
+
+import jax
+from etils import epath
+
+
+def _directory(config) -> epath.Path:
+  return epath.Path(config.base_output_directory) / config.run_name / "objective_state"
+
+
+def _due(config, step: int, final: bool) -> bool:
+  if not config.enable_checkpointing:
+    return False
+  return final or (step % config.checkpoint_period == 0 and (step > 0 or config.save_checkpoint_on_start))
+
+
+def save(config, step: int, state: dict, final: bool = False) -> None:
+  """Writes `state` for `step` when the models are saved at `step`; nothing for an objective without state."""
+  if not state or not _due(config, step, final) or jax.process_index() != 0:
+    return
+  directory = _directory(config)
+  directory.mkdir(parents=True, exist_ok=True)
+  temporary = directory / f".{step}.json.tmp"
+  temporary.write_text(json.dumps(state, indent=1, sort_keys=True))
+  os.replace(temporary, directory / f"{step}.json")
+
+
+def restore(config, start_step: int) -> dict:
+  """The state saved at step `start_step - 1` (what a resumed run continues from), or {} for a fresh run. Raises
+  ValueError naming the file when a resumed run's objective kept state but the file is missing."""
+  if start_step == 0:
+    return {}
+  directory = _directory(config)
+  path = directory / f"{start_step - 1}.json"
+  if path.exists():
+    return json.loads(path.read_text())
+  if directory.exists():
+    raise ValueError(f"Resuming at step {start_step}: the objective's state {path} is missing (saved: "
+                     f"{sorted(p.name for p in directory.iterdir())}).")
+  return {}

@@ -1,0 +1,302 @@
+"""PPO with a learned critic: the actor-critic recipe of RLHF (Ziegler et al. 2019; Ouyang et al. 2022).
+
+`posttrain_mode=ppo` trains two MaxText models: the policy, and a `critic` (MaxText's decoder with a scalar head,
+its own config from `critic_overrides`, optimizer, schedule and checkpoints in `<run>/critic/checkpoints`). MaxText's
+`rl.*` keys keep their meaning (`num_generations` samples per prompt, `num_iterations` epochs per rollout batch,
+`grpo_beta` the KL coefficient, `grpo_epsilon`/`epsilon_high` the ratio clip, `kl_estimator`, `rewards`); `ppo.*`
+adds GAE, minibatches, the value clip, the entropy bonus, the adaptive KL controller and critic warm-up.
+
+A rollout, on the host (`before_step`): the run's sampler draws completions with their log-probs; the reward
+functions (and/or a frozen reward model, `rl.rewards=[reward_model]`) score each completion; the frozen reference
+scores its tokens (when `rl.grpo_beta` > 0); the critic reads a value for every completion token, the value of the
+token at row column j being the critic's output at column j, i.e. after reading the tokens up to the one *before*
+it (rows hold the whole sequence in `inputs` and the next tokens in `targets`). Per-token rewards are the KL
+penalty plus the score on the last token (`ppo.kl_penalty=reward`), GAE turns them into advantages and returns,
+and advantages are whitened over the batch. The rollout batch is then trained on for `rl.num_iterations` epochs of
+`ppo.num_minibatches` shuffled minibatches; each minibatch is one loop step, in which the policy takes a step on
+the clipped surrogate (`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value loss.
+"""
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import forward
+from maxtext_posttrain import roles
+from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.losses import policy_gradient
+from maxtext_posttrain.losses import ppo as ppo_losses
+from maxtext_posttrain.objectives import rl_base
+from maxtext_posttrain.objectives.base import LossOutput, register
+
+CRITIC = "critic"
+REFERENCE_KEY = "reference_logps"
+KL_COEF_KEY = "kl_coef"
+PPO_KEYS = rl_base.ROW_KEYS + ("returns", "old_values")
+
+
+def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, Any]:
+  """`critic_overrides` with the critic's starting checkpoint resolved from `ppo.critic_init`: the reward model's
+  (`reward_model_overrides.load_parameters_path`), the policy's (`load_parameters_path`, or its seeded init when
+  unset) or none (seeded init); auto: the reward model's when one scores the rollouts, else the policy's."""
+  ppo = config_lib.ppo(config)
+  overrides = dict(config.critic_overrides)
+  if "load_parameters_path" in overrides:
+    if ppo.critic_init != "auto":
+      raise ValueError(
+          f"critic_overrides.load_parameters_path and ppo.critic_init={ppo.critic_init} both say where the critic "
+          "starts; set one."
+      )
+    return overrides
+  init = ppo.critic_init
+  if init == "auto":
+    init = "reward_model" if reward_model is not None else "policy"
+  if init == "reward_model":
+    if reward_model is None:
+      raise ValueError("ppo.critic_init=reward_model needs a reward model: add reward_model to rl.rewards.")
+    overrides["load_parameters_path"] = reward_model.overrides["load_parameters_path"]
+  else:
+    overrides["load_parameters_path"] = config.load_parameters_path if init == "policy" else ""
+  return overrides
+
+
+def _advantages(scores, old_logps, reference_logps, values, mask, kl_coef, *, estimator, in_reward, gamma, lam, whiten):
+  """Advantages, returns and the rollout's statistics, from per-sequence scores and per-token values."""
+  rewards, kl = ppo_losses.kl_shaped_rewards(
+      scores, old_logps, reference_logps, mask, jnp.where(in_reward, kl_coef, 0.0), estimator
+  )
+  advantages, returns = ppo_losses.gae(rewards, values, mask, gamma, lam)
+  valid = mask != 0
+  count = jnp.maximum(jnp.sum(valid), 1)
+
+  def mean_std(x):
+    mean = jnp.sum(jnp.where(valid, x, 0.0)) / count
+    return mean, jnp.sqrt(jnp.sum(jnp.where(valid, jnp.square(x - mean), 0.0)) / count)
+
+  stats = {}
+  for name, x in (("advantages", advantages), ("returns", returns), ("values", values)):
+    stats[f"rl/{name}_mean"], stats[f"rl/{name}_std"] = mean_std(x)
+  stats["rl/explained_variance"] = ppo_losses.explained_variance(values, returns, mask)
+  sequences = jnp.maximum(jnp.sum(jnp.any(valid, axis=1)), 1)
+  stats["rl/kl"] = jnp.sum(kl) / sequences  # per completion, summed over its tokens (the adaptive controller's KL)
+  if whiten:
+    advantages = ppo_losses.whiten(advantages, mask)
+  finite = {"values": jnp.all(jnp.isfinite(values)), "returns": jnp.all(jnp.isfinite(returns))}
+  return advantages, returns, stats, finite
+
+
+@register
+class PPO(rl_base.RLObjective):
+  """`posttrain_mode=ppo`: the policy and a critic, trained on GAE advantages of the rollouts' rewards."""
+
+  name = "ppo"
+  batch_keys = PPO_KEYS
+
+  def __init__(self, config):
+    super().__init__(config, min_generations=1)
+    rl = self.rl
+    self.ppo = ppo = config_lib.ppo(config)
+    self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
+    rows = config.global_batch_size_to_train_on * rl.num_generations
+    if rows % ppo.num_minibatches:
+      raise ValueError(
+          f"ppo.num_minibatches={ppo.num_minibatches} does not divide the {rows} rollouts of a step "
+          f"(global batch {config.global_batch_size_to_train_on} prompts x rl.num_generations={rl.num_generations})."
+      )
+    self.minibatch_rows = rows // ppo.num_minibatches
+    self.steps_per_rollout = rl.num_iterations * ppo.num_minibatches
+    rl_base.check_cycle(
+        config,
+        self.steps_per_rollout,
+        f"rl.num_iterations x ppo.num_minibatches = {rl.num_iterations} x {ppo.num_minibatches}",
+    )
+    if ppo.critic_warmup_steps % self.steps_per_rollout:
+      raise ValueError(
+          f"ppo.critic_warmup_steps={ppo.critic_warmup_steps} must be a multiple of the {self.steps_per_rollout} steps "
+          "of a rollout batch, so that the policy starts training on a fresh batch."
+      )
+    if rl.force_on_policy_ratio:
+      raise ValueError("rl.force_on_policy_ratio does not apply to PPO, whose epochs move the policy off its rollouts.")
+    self.use_reference = rl.grpo_beta > 0
+    self.kl_in_loss = self.use_reference and ppo.kl_penalty == "loss"
+    if self.use_reference:
+      self.roles += (roles.reference(),)
+    reward_model = next((r for r in self.roles if r.name == rl_base.REWARD_MODEL), None)
+    self.roles += (
+        roles.RoleSpec(
+            CRITIC,
+            trained=True,
+            head="scalar",
+            overrides_key="critic_overrides",
+            overrides=critic_overrides(config, reward_model),
+            loss=self.critic_loss,
+        ),
+    )
+    if self.kl_in_loss:
+      self.batch_keys = PPO_KEYS + (REFERENCE_KEY, KL_COEF_KEY)
+    if ppo.adaptive_kl:
+      self.kl_controller = ppo_losses.AdaptiveKLController(rl.grpo_beta, ppo.kl_target, ppo.kl_horizon)
+    else:
+      self.kl_controller = ppo_losses.FixedKLController(rl.grpo_beta)
+    self._rollout = None  # host arrays of the current rollout batch
+    self._rollout_step = None
+    self._advantages = jax.jit(
+        _advantages,
+        static_argnames=("estimator", "in_reward", "gamma", "lam", "whiten"),
+    )
+
+  def trains(self, role: str, step: int) -> bool:
+    return role != roles.POLICY or step >= self.ppo.critic_warmup_steps
+
+  def host_state(self) -> dict[str, Any]:
+    return {"kl_coef": self.kl_controller.state_dict()}
+
+  def load_host_state(self, state: dict[str, Any]) -> None:
+    if state:
+      self.kl_controller.load_state_dict(state["kl_coef"])
+
+  def wants_batch(self, loop) -> bool:
+    return self._rollout is None or loop.step % self.steps_per_rollout == 0
+
+  def before_step(self, loop, batch):
+    if batch is not None:
+      self._sample_rollout(loop, batch)
+    position = loop.step - self._rollout_step
+    epoch, minibatch = divmod(position, self.ppo.num_minibatches)
+    rows = np.arange(len(self._rollout["inputs"]))
+    if self.ppo.num_minibatches > 1:
+      rows = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(rows)
+    rows = rows[minibatch * self.minibatch_rows : (minibatch + 1) * self.minibatch_rows]
+    if batch is None:
+      self.step_metrics = {"rl/iteration": float(epoch), "rl/minibatch": float(minibatch)}
+    else:
+      self.step_metrics |= {"rl/iteration": 0.0, "rl/minibatch": 0.0}
+    return pipeline.global_batch({k: v[rows] for k, v in self._rollout.items()}, self.config, loop.mesh)
+
+  def _sample_rollout(self, loop, batch) -> None:
+    """Samples and scores this step's rollouts and computes their advantages and returns (host copies kept)."""
+    timer, metrics = time.perf_counter(), {}
+    out = self.sample(loop, self.indices(batch), 0, metrics)
+    rows = rl_base.training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
+    device = pipeline.global_batch(rows, self.config, loop.mesh)
+    temperature = jnp.float32(self.sampling.temperature)
+    if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
+      device["old_logps"] = loop.trained[roles.POLICY].run(self.target_logps, device, temperature)
+    reference_logps = device["old_logps"]
+    if self.use_reference:
+      start = time.perf_counter()
+      reference_logps = jax.block_until_ready(loop.role("reference").run(self.target_logps, device, temperature))
+      metrics["rl/reference_seconds"] = time.perf_counter() - start
+    start = time.perf_counter()
+    values = jax.block_until_ready(loop.trained[CRITIC].run(self._values, device))
+    metrics["rl/critic_forward_seconds"] = time.perf_counter() - start
+    mask = device["completion_mask"]
+    scores = pipeline.global_batch({"scores": out.rewards.astype(np.float32)}, self.config, loop.mesh)["scores"]
+    advantages, returns, stats, finite = self._advantages(
+        scores,
+        device["old_logps"],
+        reference_logps,
+        values,
+        mask,
+        jnp.float32(self.kl_controller.value),
+        estimator=self.rl.kl_estimator,
+        in_reward=self.use_reference and not self.kl_in_loss,
+        gamma=self.ppo.gamma,
+        lam=self.ppo.lam,
+        whiten=self.ppo.whiten_advantages,
+    )
+    for quantity, ok in finite.items():
+      if not bool(ok):
+        raise FloatingPointError(
+            f"PPO step {loop.step}: the rollout's {quantity} are not finite (NaN or inf); the step was not taken and "
+            "no checkpoint was written for it."
+        )
+    host = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in device.items()}
+    host |= {
+        "advantages": np.asarray(multihost_utils.process_allgather(advantages, tiled=True)),
+        "returns": np.asarray(multihost_utils.process_allgather(returns, tiled=True)),
+        "old_values": np.asarray(multihost_utils.process_allgather(values, tiled=True)),
+    }
+    if self.kl_in_loss:
+      host[REFERENCE_KEY] = np.asarray(multihost_utils.process_allgather(reference_logps, tiled=True))
+      host[KL_COEF_KEY] = np.full(len(host["inputs"]), self.kl_controller.value, np.float32)
+    stats = {k: float(v) for k, v in stats.items()}
+    metrics |= stats | {"rl/kl_coef": self.kl_controller.value}
+    if self.use_reference:
+      self.kl_controller.update(stats["rl/kl"], len(host["inputs"]))
+    metrics |= {
+        "rl/reward_mean": float(out.rewards.mean()),
+        "rl/reward_std": float(out.rewards.std()),
+        "rl/reward_errors": float(sum(self.rewards.errors.values())),
+        "rl/before_step_seconds": time.perf_counter() - timer,
+    }
+    self._rollout, self._rollout_step, self.step_metrics = host, loop.step, metrics
+
+  def _values(self, model, batch: dict[str, jax.Array]) -> jax.Array:
+    return forward.scalars(model, batch["inputs"], batch["positions"], batch["segmentation"])
+
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
+    """The policy's clipped surrogate on GAE advantages (plus the KL term under ppo.kl_penalty=loss, minus the
+    entropy bonus)."""
+    del frozen
+    config, rl = self.config, self.rl
+    logps, logits = forward.token_logps(
+        model,
+        batch["inputs"],
+        batch["positions"],
+        batch["segmentation"],
+        batch["targets"],
+        self.sampling.temperature,
+        self.num_pieces,
+        config.enable_dropout and is_train,
+    )
+    mask = batch["completion_mask"]
+    out = policy_gradient.policy_loss(
+        logps,
+        batch["old_logps"],
+        batch["advantages"],
+        mask,
+        algo="grpo",
+        epsilon_low=rl.grpo_epsilon,
+        epsilon_high=rl.epsilon_high,
+        dual_clip=rl.dual_clip,
+        ref_logps=batch.get(REFERENCE_KEY),
+        kl_estimator=rl.kl_estimator,
+        agg_mode=self.agg_mode,
+        max_length=self.max_new_tokens,
+    )
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    total = out.total
+    if self.kl_in_loss:
+      total = total + jnp.mean(batch[KL_COEF_KEY]) * out.metrics["kl"]
+    if self.ppo.entropy_coef:
+      total = total - self.ppo.entropy_coef * policy_gradient.aggregate(entropy, mask, self.agg_mode, self.max_new_tokens)[0]
+    mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
+    metrics = out.metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
+    return LossOutput(total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+
+  def critic_loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
+    """The clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old +- ppo.value_clip) - R)^2), per token."""
+    del frozen
+    values = forward.scalars(
+        model, batch["inputs"], batch["positions"], batch["segmentation"], self.config.enable_dropout and is_train
+    )
+    mask = batch["completion_mask"]
+    out = ppo_losses.value_loss(values, batch["old_values"], batch["returns"], mask, self.ppo.value_clip or None)
+    value_sum = policy_gradient.aggregate(values, mask, "token-mean")[0]
+    metrics = out.metrics | {"value_mean": value_sum}
+    return LossOutput(out.total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """The rollouts' mean reward, the critic's value loss and the explained variance of its values (on steps that
+    sample), and the KL to the reference when there is one."""
+    names = {"reward": "rl/reward_mean", "value_loss": "critic/loss", "explained_var": "rl/explained_variance"}
+    if self.use_reference:
+      names["kl"] = "rl/kl"
+    return {name: float(scalars[key]) for name, key in names.items() if key in scalars}

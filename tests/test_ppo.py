@@ -1,0 +1,169 @@
+"""PPO with a learned critic: learning, the value's position, resume of both models, warm-up and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+
+from maxtext.utils import maxtext_utils
+from maxtext_posttrain import forward
+from maxtext_posttrain import roles
+from maxtext_posttrain import trainer
+from maxtext_posttrain.objectives import ppo
+from maxtext_posttrain.objectives import rl_base
+from tests import run_utils
+
+PPO = "ppo.yml"
+TINY = ("per_device_batch_size=2", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false")
+CHARACTERS = ('rl.rewards=["tests.rewards_for_tests:characters"]', "rl.reward_weights=[1.0]")
+
+
+def test_ppo_raises_a_learnable_reward_and_its_critic_explains_the_returns(make_config, tmp_path):
+  """From random weights, on a reward that varies (characters / 100): the mean reward rises, and the critic's
+  values, fresh rollouts' values against their returns, explain more than none of their variance."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *TINY, *CHARACTERS, "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
+      "rl.grpo_beta=0", "critic_overrides.learning_rate=0.003", f"metrics_file={metrics_file}", config_file=PPO,
+  )  # fmt: skip
+  run_utils.run(config)
+  rows = run_utils.rows(metrics_file)
+  rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
+  explained = [rows[step]["rl/explained_variance"] for step in sorted(rows)]
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, rewards
+  assert explained[0] == 0.0 and np.mean(explained[-5:]) > 0.0, explained  # a fresh critic predicts nothing
+
+
+def test_the_value_of_a_token_is_read_at_the_position_before_it(make_config):
+  """Rows hold the whole sequence in `inputs`; the value paired with the completion token at column j (the target
+  of column j) is the critic's output after reading the tokens up to column j, i.e. up to the token before it. A
+  causal decoder's output at the last position of a prefix is its output at that position of the whole row, so
+  each value equals the critic's output on the prefix ending right before its token, and not one position later."""
+  config = make_config(*TINY, config_file=PPO)
+  spec = roles.RoleSpec("critic", trained=False, head="scalar")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  init_model, _ = roles.model_initializer(config, spec, mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    model = init_model()
+  head = getattr(model, forward.SCALAR_HEAD)
+  head.kernel.set_value(jax.random.normal(jax.random.key(1), head.kernel.shape))  # a head that reads something
+  prompt, completion = [1, 40, 41, 42], [50, 51, 52, 2]
+  rows = rl_base.training_rows([prompt], [completion], [np.zeros(4)], length=16)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    values = forward.scalars(model, rows["inputs"], rows["positions"], rows["segmentation"])
+  sequence = prompt + completion
+  columns = np.flatnonzero(rows["completion_mask"][0])
+  for k, column in enumerate(columns):
+    assert rows["targets"][0, column] == completion[k]
+    before = sequence[: len(prompt) + k]  # every token before completion token k
+    with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+      prefix = forward.scalars(
+          model, jnp.asarray([before]), jnp.arange(len(before))[None], jnp.ones((1, len(before)), jnp.int32)
+      )
+    np.testing.assert_allclose(values[0, column], prefix[0, -1], rtol=1e-5, atol=1e-6)
+    assert abs(float(values[0, column + 1]) - float(prefix[0, -1])) > 1e-4  # one position later reads the token too
+
+
+def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
+  """Killed after step 3 and resumed: rewards, policy and value losses and the adaptive KL coefficient equal the
+  uninterrupted run's, because both models, both optimizers and the controller come back from step 3."""
+  common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
+  common += ("async_checkpointing=false", "learning_rate_schedule_steps=6", "learning_rate=1e-2", "rl.grpo_beta=0.1")
+  common += ("ppo.adaptive_kl=true", "ppo.kl_target=0.01", "ppo.kl_horizon=100", "critic_overrides.learning_rate=0.01")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=PPO))
+    return run_utils.rows(metrics_file)
+
+  full = run("full", "steps=6")
+  run("split", "steps=4", "save_checkpoint_on_completion=false")  # dies after step 3; its last checkpoint is step 2's
+  split = run("split", "steps=6")
+  assert sorted(split) == sorted(full) == list(range(6))
+  coefficients = [full[step]["rl/kl_coef"] for step in range(6)]
+  assert len(set(coefficients)) > 3, coefficients  # the controller moves
+  for key in ("rl/reward_mean", "rl/kl_coef", "rl/explained_variance", "learning/loss", "critic/loss", "critic/grad_norm"):
+    assert [split[s][key] for s in range(6)] == [full[s][key] for s in range(6)], key
+
+
+def test_critic_warmup_holds_the_policy(make_config, tmp_path):
+  """During ppo.critic_warmup_steps only the critic steps: the policy keeps its starting weights and optimizer step,
+  and its loss is logged as NaN (no step taken) while the critic's is logged."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *TINY, *CHARACTERS, "steps=2", "eval_interval=0", "rl.grpo_beta=0", "ppo.critic_warmup_steps=2",
+      f"metrics_file={metrics_file}", config_file=PPO,
+  )  # fmt: skip
+  loop, _ = run_utils.run(config)
+  start = trainer.setup(config)  # the same seeded starting point, not trained
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      jax.device_get(nnx.state(loop.policy(), nnx.Param).to_pure_dict()),
+      jax.device_get(nnx.state(start.policy(), nnx.Param).to_pure_dict()),
+  )
+  assert int(loop.trained["policy"].state.optimizer.step.get_value()) == 0
+  assert int(loop.trained["critic"].state.optimizer.step.get_value()) == 2
+  rows = run_utils.rows(metrics_file)
+  assert all(np.isnan(rows[s]["learning/loss"]) and rows[s]["critic/loss"] >= 0 for s in (0, 1)), rows
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("ppo.num_minibatches=3",), r"ppo.num_minibatches=3 does not divide the 8 rollouts"),
+        (("ppo.num_minibatches=2", "enable_checkpointing=true", "checkpoint_period=3"), "multiple of rl.num_iterations"),
+        (("ppo.critic_init=reward_model",), "needs a reward model"),
+        (("ppo.critic_warmup_steps=1", "rl.num_iterations=2", "checkpoint_period=2"), "critic_warmup_steps=1 must be a multiple"),
+    ],
+)
+def test_impossible_ppo_settings_fail_naming_the_key(make_config, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    ppo.PPO(make_config(*TINY, *overrides, config_file=PPO))
+
+
+def test_a_negative_clip_fails_naming_the_key(make_config):
+  with pytest.raises(ValueError, match=r"ppo\.value_clip"):
+    make_config(*TINY, "ppo.value_clip=-0.1", config_file=PPO)
+
+
+def test_a_critic_checkpoint_of_another_shape_fails_naming_the_path(make_config, tmp_path, sft_checkpoint):
+  """The critic starts from the policy's checkpoint by default; a critic config of another width cannot read it:
+  the error names the checkpoint and the first differing weights, and nothing is written."""
+  config = make_config(
+      *TINY, f"load_parameters_path={sft_checkpoint}", "critic_overrides.base_emb_dim=64", "steps=1",
+      config_file=PPO,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=rf"Role critic: the checkpoint at {sft_checkpoint} does not hold .*embedding"):
+    trainer.setup(config)
+  assert not (tmp_path / "run" / "critic" / "checkpoints").exists()
+
+
+def test_non_finite_values_stop_the_step_naming_it(make_config, monkeypatch):
+  """A critic whose values are NaN stops the rollout with the step number and the quantity; no step is taken."""
+  config = make_config(*TINY, *CHARACTERS, "steps=2", "eval_interval=0", "rl.grpo_beta=0", config_file=PPO)
+  loop = trainer.setup(config)
+  monkeypatch.setattr(loop.objective, "_values", lambda model, batch: jnp.full(batch["inputs"].shape, jnp.nan))
+  with pytest.raises(FloatingPointError, match=r"PPO step 0: the rollout's values are not finite"):
+    loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  assert int(loop.trained["policy"].state.optimizer.step.get_value()) == 0
+
+
+def test_critic_checkpoints_beside_the_policy_and_keeps_the_policy_layout(make_config, tmp_path):
+  """The policy's checkpoints stay at <run>/checkpoints (load_parameters_path and export read them); the critic's
+  are <run>/critic/checkpoints at the same steps, with MaxText's params plus the scalar head."""
+  config = make_config(
+      *TINY, *CHARACTERS, "steps=2", "eval_interval=0", "enable_checkpointing=true", "checkpoint_period=1",
+      "async_checkpointing=false", config_file=PPO,
+  )  # fmt: skip
+  run_utils.run(config)
+  run_dir = tmp_path / "run"
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["0", "1"]
+  assert sorted(p.name for p in (run_dir / "critic" / "checkpoints").iterdir()) == ["0", "1"]
+  from maxtext_posttrain import checkpoint_guard  # pylint: disable=import-outside-toplevel
+
+  critic = checkpoint_guard.stored_params(str(run_dir / "critic" / "checkpoints" / "1" / "items"))
+  policy = checkpoint_guard.stored_params(str(run_dir / "checkpoints" / "1" / "items"))
+  assert forward.has_scalar_head(critic) and not forward.has_scalar_head(policy)
+  assert set(critic) - set(policy) == {forward.SCALAR_HEAD}
