@@ -8,7 +8,9 @@ the byte rows of MaxText model configs (`model_name=...`; the `key=value` overri
 from the abstract state (`nnx.eval_shape`), which allocates nothing, so a 7B model's figures come out on a laptop.
 LoRA's share of a kernel is rank * (in + out) / (in * out), so it shrinks as models widen. Bytes count the stored
 bits of each dtype (nf4 codes are 4 bits, as on TPU; a CPU buffer may hold them unpacked). Weights are bf16
-(`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs int8. Prints and writes JSON rows.
+(`weight_dtype=bfloat16`), so the base rows compare bf16 vs nf4 vs int8. Rows of model `<model> critic` give PPO's
+critic (the decoder with a scalar head) trained in full and under LoRA (`lora_roles=[critic]`: adapters and the
+head train, the base stays frozen), from the abstract state. Prints and writes JSON rows.
 
   python -m benchmarks.peft_memory [sft.yml] [key=value ...] [--repeats=N] [--models=llama2-7b,...]
       [--variants=full,lora_r8,...] [--output=path.json]
@@ -52,11 +54,17 @@ def _bytes(tree) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and x.size and x.dtype != bool)
 
 
-def state_bytes(state: nnx.State, config) -> dict:
+# PPO's critic (MaxText's decoder with a scalar head) trained in full or under LoRA (adapters plus the head).
+CRITIC = roles.RoleSpec("critic", trained=True, head="scalar")
+CRITIC_VARIANTS = {"critic_full": (), "critic_lora_r8": (*LORA, "lora_roles=[critic]")}
+
+
+def state_bytes(state: nnx.State, config, spec: roles.RoleSpec = roles.policy()) -> dict:
   """Bytes of a train state (concrete, or abstract from `nnx.eval_shape`): trained weights, their optimizer state,
   and the frozen base (the trained weights themselves under full fine-tuning)."""
-  trained = state.model.filter(trained_model.trainable_filter(config, roles.policy()))
-  frozen = state.model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))) if lora.enabled(config) else trained
+  trained = state.model.filter(trained_model.trainable_filter(config, spec))
+  frozen = state.model.filter(nnx.All(nnx.Param, nnx.Not(trained_model.trainable_filter(config, spec))))
+  frozen = frozen if lora.enabled(config, spec.name) else trained
   return {
       "trainable_bytes": _bytes(trained),
       "optimizer_bytes": _bytes(state.optimizer.opt_state),
@@ -81,11 +89,11 @@ def measure(config, repeats: int) -> dict:
   return row | {"step_time_s": statistics.median(times)}
 
 
-def measure_abstract(config) -> dict:
-  """Bytes of the state the loop would build for `config`, from its shapes alone."""
-  init_state_fn, _ = trained_model.state_initializer(config, maxtext_utils.get_mesh_from_config(config), roles.policy())
+def measure_abstract(config, spec: roles.RoleSpec = roles.policy()) -> dict:
+  """Bytes of the state the loop would build for `config`'s role `spec`, from its shapes alone."""
+  init_state_fn, _ = trained_model.state_initializer(config, maxtext_utils.get_mesh_from_config(config), spec)
   with nn_partitioning.axis_rules(config.logical_axis_rules):
-    return state_bytes(nnx.state(nnx.eval_shape(init_state_fn)), config)
+    return state_bytes(nnx.state(nnx.eval_shape(init_state_fn)), config, spec)
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -130,10 +138,19 @@ def main(argv):
   for name, keys in variants.items():
     config = args.config(name, "weight_dtype=bfloat16", *keys)
     rows.append({"model": "benchmark", "variant": name, **measure(config, repeats)})
-  for model in filter(None, args.flag("models", "").split(",")):
+  models = list(filter(None, args.flag("models", "").split(",")))
+  for model in models:
     for name, keys in variants.items():
       config = args.model_config(name, model, "weight_dtype=bfloat16", *keys)
       rows.append({"model": model, "variant": name, **measure_abstract(config), "step_time_s": None})
+  for model in ["benchmark", *models]:  # PPO's critic, full and under LoRA, from the abstract state
+    for name, keys in CRITIC_VARIANTS.items():
+      if model == "benchmark":
+        config = args.config(name, "weight_dtype=bfloat16", *keys)
+      else:
+        config = args.model_config(name, model, "weight_dtype=bfloat16", *keys)
+      row = {"model": f"{model} critic", "variant": name, **measure_abstract(config, CRITIC), "step_time_s": None}
+      rows.append(row)
   _add_ratios(rows)
   for row in rows:
     _print(row)

@@ -52,7 +52,9 @@ def main(argv):
   loop = trainer.setup(config)
   rows = config.global_batch_size_to_train_on * config.rl.num_generations
   pretrain_config = config_lib.with_overrides(
-      config, micro_batch_size_to_train_on=rows, global_batch_size_to_train_on=rows,
+      config,
+      micro_batch_size_to_train_on=rows,
+      global_batch_size_to_train_on=rows,
   )
   p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
   times = {part: [] for part in (*PARTS, *TRAIN_PARTS, "pretrain")}
@@ -82,7 +84,9 @@ def main(argv):
   row["ratio_to_prediction"] = row["train_ratio"] / row["flops_prediction"]
   row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
   printed = ("objective", "step_time_s", *(f"{p}_time_s" for p in (*PARTS, *TRAIN_PARTS)), "pretrain_step_time_s")
-  harness.write_row(row, loop, repeats, times, output, (*printed, "train_ratio", "flops_prediction", "ratio_to_prediction"))
+  harness.write_row(
+      row, loop, repeats, times, output, (*printed, "train_ratio", "flops_prediction", "ratio_to_prediction")
+  )
 
 
 if __name__ == "__main__":

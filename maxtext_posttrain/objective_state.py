@@ -44,6 +44,8 @@ def restore(config, start_step: int) -> dict:
   if path.exists():
     return json.loads(path.read_text())
   if directory.exists():
-    raise ValueError(f"Resuming at step {start_step}: the objective's state {path} is missing (saved: "
-                     f"{sorted(p.name for p in directory.iterdir())}).")
+    raise ValueError(
+        f"Resuming at step {start_step}: the objective's state {path} is missing (saved: "
+        f"{sorted(p.name for p in directory.iterdir())})."
+    )
   return {}

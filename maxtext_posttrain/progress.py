@@ -25,9 +25,9 @@ class Progress:
   def elapsed(self) -> float:
     return time.perf_counter() - self.start_time
 
-  def report(self, step: int, loss: float, extra: dict[str, float] | None = None) -> str:
+  def report(self, step: int, loss: float | None, extra: dict[str, float] | None = None) -> str:
     """Logs and returns the progress line for `step` (the number of completed steps); `extra` values follow the
-    loss by name."""
+    loss by name. `loss` None: the step trained no primary model (PPO's critic warm-up)."""
     now = time.perf_counter()
     if self.mark_time is None or step <= self.mark_step:
       rate_text, eta_text = "rate pending", "ETA pending"
@@ -37,7 +37,8 @@ class Progress:
       rate_text = f"{steps_per_second * self.tokens_per_step:,.0f} tokens/s"
       eta_text = f"ETA {format_seconds((self.total_steps - step) / steps_per_second)}"
     line = (
-        f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) loss {loss:.4f}"
+        f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) "
+        + ("warm-up" if loss is None else f"loss {loss:.4f}")
         + "".join(f" {name} {value:.4f}" for name, value in (extra or {}).items())
         + " | "
         f"{rate_text} | elapsed {format_seconds(self.elapsed())} | {eta_text}"

@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
+from maxtext.configs import types
 from maxtext.utils import max_logging
 from maxtext.utils import model_creation_utils
 from maxtext.utils import sharding
@@ -93,7 +94,7 @@ def role_config(config, spec: RoleSpec, primary: bool = True):
     role = config_lib.with_overrides(
         role,
         checkpoint_dir=os.path.join(config.base_output_directory, config.run_name, spec.name, "checkpoints", ""),
-        dataset_type="synthetic",
+        dataset_type=types.DatasetType.SYNTHETIC,
     )
   return role
 
@@ -194,10 +195,13 @@ def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenMode
   if spec.trained:
     raise ValueError(f"Role {spec.name} is trained, not frozen.")
   if spec.head == "lm" and not spec.overrides:
+    if spec.in_step and lora.enabled(config):
+      raise ValueError(
+          f"Role {spec.name}: an in-step starting policy under LoRA is not supported: it is the policy's own base, "
+          "whose arrays the step donates."
+      )
     return _starting_policy(spec, config, mesh, copy)
   role = role_config(config, spec)
-  if spec.in_step and lora.enabled(config) and spec.name == REFERENCE:
-    raise ValueError("An in-step reference under LoRA is not supported: it is the policy's own base.")
   init_model, _ = model_initializer(role, spec, mesh)
   with nn_partitioning.axis_rules(role.logical_axis_rules):
     abstract = nnx.eval_shape(init_model)
@@ -208,7 +212,9 @@ def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenMode
   if role.load_parameters_path:
     state = load_start_weights(state, role, spec)
   elif spec.head == "scalar":
-    raise ValueError(f"Role {spec.name} reads a scalar head but no checkpoint: set {spec.overrides_key}.load_parameters_path.")
+    raise ValueError(
+        f"Role {spec.name} reads a scalar head but no checkpoint: set {spec.overrides_key}.load_parameters_path."
+    )
   source = role.load_parameters_path or f"the seeded initialisation (init_weights_seed={role.init_weights_seed})"
   max_logging.log(f"Role {spec.name}: a frozen {spec.head}-head model from {source}.")
   return FrozenModel(spec, role, mesh, graphdef, state)

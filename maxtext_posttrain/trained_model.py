@@ -47,7 +47,7 @@ def _accumulated_adapter_grads(loss_fn, config, model, batch, frozen, trainable)
   data = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // steps, steps) + x.shape[1:]), 0, 1), batch)
 
   def summed(params, microbatch):
-    out = loss_fn(nnx.merge(graphdef, params, rest, copy=True), microbatch, True, frozen)
+    out = loss_fn(nnx.merge(graphdef, params, rest, copy=True), microbatch, True, frozen())
     return out.total, out
 
   def accumulate(sums, microbatch):
@@ -62,7 +62,9 @@ def _accumulated_adapter_grads(loss_fn, config, model, batch, frozen, trainable)
 
 
 def _loss_and_grads(loss_fn, config, model, params_shardings, batch, frozen, trainable):
-  """(loss, weight, metric sums, raw grads) of a role's loss, with MaxText's gradient accumulation when enabled."""
+  """(loss, weight, metric sums, raw grads) of a role's loss, with MaxText's gradient accumulation when enabled.
+  `frozen()` builds the in-step frozen roles' models inside each traced loss (a module built outside a transform
+  cannot be called inside it)."""
   if config.gradient_accumulation_steps > 1 and trainable is not nnx.Param:
     return _accumulated_adapter_grads(loss_fn, config, model, batch, frozen, trainable)
   if config.gradient_accumulation_steps > 1:
@@ -71,7 +73,7 @@ def _loss_and_grads(loss_fn, config, model, params_shardings, batch, frozen, tra
     # `total_weights`; it then divides the accumulated gradient by the weight of the whole batch.
     def summed_loss(model, config, data, dropout_rng, params, is_train=True):
       del config, dropout_rng, params
-      out = loss_fn(model, data, is_train, frozen)
+      out = loss_fn(model, data, is_train, frozen())
       aux = {"xent_sum": out.total, "total_weights": out.weight, "metrics": out.metrics}
       aux |= {"moe_lb_loss": 0.0, "indexer_loss": 0.0, "mtp_loss": 0.0}
       return out.total, aux
@@ -86,7 +88,7 @@ def _loss_and_grads(loss_fn, config, model, params_shardings, batch, frozen, tra
 
   def mean_loss(params):
     local_model = nnx.merge(model_graphdef, params, rest, copy=True)
-    out = loss_fn(local_model, batch, True, frozen)
+    out = loss_fn(local_model, batch, True, frozen())
     return out.total / jnp.maximum(out.weight, 1.0), (out, nnx.state(local_model, nnx.Not(nnx.Param)))
 
   (loss, (out, new_rest)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
@@ -94,8 +96,9 @@ def _loss_and_grads(loss_fn, config, model, params_shardings, batch, frozen, tra
   return loss, out.weight, out.metrics, grads
 
 
-def _frozen_models(frozen_graphdefs: dict[str, nnx.GraphDef], frozen_states: dict[str, nnx.State]) -> dict:
-  return {name: nnx.merge(graphdef, frozen_states[name]) for name, graphdef in frozen_graphdefs.items()}
+def _frozen_models(frozen_graphdefs: dict[str, nnx.GraphDef], frozen_states: dict[str, nnx.State]):
+  """A function building the in-step frozen roles' models, by name, from their (traced) states."""
+  return lambda: {name: nnx.merge(graphdef, frozen_states[name]) for name, graphdef in frozen_graphdefs.items()}
 
 
 def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[str, nnx.GraphDef]):
@@ -138,7 +141,7 @@ def make_eval_step(spec: roles_lib.RoleSpec, frozen_graphdefs: dict[str, nnx.Gra
 
   def eval_step(graphdef, config, state, data, frozen_states):
     del config
-    out = spec.loss(nnx.merge(graphdef, state).model, data, False, _frozen_models(frozen_graphdefs, frozen_states))
+    out = spec.loss(nnx.merge(graphdef, state).model, data, False, _frozen_models(frozen_graphdefs, frozen_states)())
     scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
     return {"scalar": scalars | {f"evaluation/metrics/{k}": v for k, v in out.metrics.items()}}
 

@@ -142,7 +142,6 @@ class MetricLogger(metric_logger.MetricLogger):
       f.write(json.dumps(row) + "\n")
 
 
-
 def setup(config) -> Loop:
   """Builds the mesh, the objective's roles (frozen, then trained: restored or initialised), data and jitted steps."""
   objective_class = objectives.get(config.posttrain_mode)  # first: fails listing the registered modes
@@ -186,8 +185,10 @@ def _common_start_step(trained: dict[str, trained_model.TrainedModel]) -> int:
   stopped between the saves of two roles) rather than pairing models of different steps."""
   steps = {name: model.start_step for name, model in trained.items()}
   if len(set(steps.values())) > 1:
-    listed = ", ".join(f"{name} at step {step - 1} ({model.config.checkpoint_dir})" for (name, step), model in zip(
-        steps.items(), trained.values()))
+    listed = ", ".join(
+        f"{name} at step {step - 1} ({model.config.checkpoint_dir})"
+        for (name, step), model in zip(steps.items(), trained.values())
+    )
     raise ValueError(
         f"The trained roles' latest checkpoints differ: {listed}. Remove the newer step directories so that all "
         "roles resume from the same step."
@@ -237,14 +238,15 @@ def _numeric_leaves(tree: dict, prefix: str) -> dict[str, float]:
   return flat
 
 
-def _train_step(loop: Loop, batch) -> dict[str, Any]:
-  """One step of every trained role the objective trains at this step, on the same batch: the primary role's
-  metrics as MaxText's logger reads them (its loss NaN and weight 0 at a step it does not train, as in PPO's critic
-  warm-up), each other role's under `<role>/`. With more than one trained role each role's step is timed
+def _train_step(loop: Loop, batch) -> tuple[dict[str, Any], bool]:
+  """One step of every trained role the objective trains at this step, on the same batch. Returns the metrics (the
+  primary role's as MaxText's logger reads them, each other role's under `<role>/`) and whether the primary role
+  trained (not in PPO's critic warm-up). With more than one trained role each role's step is timed
   (`perf/<role>_train_seconds`), which waits for its result."""
   frozen_states = loop.frozen_states()
-  metrics = {"scalar": {"learning/loss": float("nan"), "learning/total_weights": 0.0}, "scalars": {}}
+  metrics = {"scalar": {}, "scalars": {}}
   timed = len(loop.trained) > 1
+  primary_trained = False
   for name, model in loop.trained.items():
     if not loop.objective.trains(name, loop.step):
       continue
@@ -254,11 +256,12 @@ def _train_step(loop: Loop, batch) -> dict[str, Any]:
       jax.block_until_ready(role_metrics)
     if model is loop.primary:
       metrics["scalar"].update(role_metrics["scalar"])
+      primary_trained = True
     else:
       metrics["scalar"].update({f"{name}/{k.split('/', 1)[-1]}": v for k, v in role_metrics["scalar"].items()})
     if timed:
       metrics["scalar"][f"perf/{name}_train_seconds"] = time.perf_counter() - start
-  return metrics
+  return metrics, primary_trained
 
 
 def _save(loop: Loop, step: int, final: bool = False) -> None:
@@ -292,7 +295,7 @@ def train(loop: Loop) -> dict[str, Any]:
       batch = loop.objective.before_step(loop, batch)
       if step == loop.start_step:
         _check_batch_keys(loop.objective, batch)
-      metrics = _train_step(loop, batch)
+      metrics, primary_trained = _train_step(loop, batch)
       now = datetime.datetime.now()
       step_time, last_step_end = now - last_step_end, now
       loop.step = step + 1
@@ -302,10 +305,14 @@ def train(loop: Loop) -> dict[str, Any]:
       if eval_due and loop.step % config.eval_interval == 0:
         results = summary["evals"][loop.step] = evaluate(loop, logger)
         reached_target = 0 < results.get("eval/loss", float("inf")) <= config.target_eval_loss
-      logger.buffer_and_write_metrics(metrics, step, step_time)
+      if primary_trained:
+        logger.buffer_and_write_metrics(metrics, step, step_time)
+      else:  # MaxText's row needs the primary role's loss: the other roles' figures go in a row of their own
+        logger.write_scalars({k: float(v) for k, v in metrics["scalar"].items()}, step, "train")
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
         scalars = metrics["scalar"]
-        meter.report(loop.step, float(scalars["learning/loss"]), loop.objective.headline_metrics(scalars))
+        loss = float(scalars["learning/loss"]) if primary_trained else None
+        meter.report(loop.step, loss, loop.objective.headline_metrics(scalars))
       if reached_target:
         max_logging.log(
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."

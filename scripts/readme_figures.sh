@@ -33,6 +33,7 @@ wanted() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 if wanted demo; then
   run demo_grpo "$PY" -m maxtext_posttrain.demo --output_dir="$OUT/demo"
   run demo_gspo_token "$PY" -m maxtext_posttrain.demo --mode=gspo_token --output_dir="$OUT/demo"
+  run demo_ppo "$PY" -m maxtext_posttrain.demo --mode=ppo --output_dir="$OUT/demo"
 fi
 
 if wanted dpo; then
@@ -40,6 +41,8 @@ if wanted dpo; then
   run dpo "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo base_output_directory="$OUT/dpo" \
     load_parameters_path="$OUT/dpo/sft/checkpoints/199/items" eval_interval=50 eval_steps=8 \
     metrics_file="$OUT/dpo/dpo_metrics.jsonl"
+  run reward_model "$PY" -m maxtext_posttrain.train reward_model.yml run_name=rm base_output_directory="$OUT/dpo" \
+    load_parameters_path="$OUT/dpo/sft/checkpoints/199/items" eval_interval=50 eval_steps=8 enable_checkpointing=false
   run dpo_random "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo_random base_output_directory="$OUT/dpo" \
     eval_interval=250 eval_steps=8 enable_checkpointing=false
   for algo in orpo simpo; do  # the reference-free algorithms from random weights, as the tests run them
@@ -59,6 +62,7 @@ if wanted bench; then
     --repeats=10 per_device_batch_size=2 ici_fsdp_parallelism=2 ici_tensor_parallelism=2
   run bench_dpo "$PY" -m benchmarks.dpo_vs_pretrain --repeats=5
   run bench_grpo "$PY" -m benchmarks.grpo_vs_pretrain --repeats=5
+  run bench_ppo "$PY" -m benchmarks.ppo_vs_pretrain --repeats=5
   run bench_decode "$PY" -m benchmarks.decode --repeats=3 --baseline_steps=16
   run bench_peft "$PY" -m benchmarks.peft_memory --repeats=3 --models=llama2-7b,llama3.1-8b,qwen3-8b,gemma2-9b,qwen3-0.6b
 fi

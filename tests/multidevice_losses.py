@@ -46,7 +46,9 @@ def first_losses(out_dir, tfds_dir, steps, overrides, run_name, initial_params=N
   losses = []
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for _ in range(steps):
-      loop.primary.state, metrics = loop.primary.p_train_step(loop.primary.state, loop.train_batches.load_next_batch(), {})
+      loop.primary.state, metrics = loop.primary.p_train_step(
+          loop.primary.state, loop.train_batches.load_next_batch(), {}
+      )
       losses.append(float(metrics["scalar"]["learning/loss"]))
   return {"overrides": overrides, "mesh": dict(loop.mesh.shape), "losses": losses}, initial_params
 

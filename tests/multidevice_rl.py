@@ -1,9 +1,10 @@
-"""Prints the per-step rewards and losses of a short GRPO run; run in a subprocess with fake CPU devices.
+"""Prints the per-step rewards and losses of a short GRPO (or PPO) run; run in a subprocess with fake CPU devices.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_rl.py OUT_DIR TFDS_DIR \\
-      '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]'
+      '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]' [ppo.yml]
 
-Prints one JSON line: {"mesh": {...}, "rewards": [...], "losses": [...], "kl": [...]}.
+Prints one JSON line: {"mesh": {...}, "rewards": [...], "losses": [...], "kl": [...]} (PPO: also "value_losses"
+and "explained_variance"; "kl" is the rollout's KL to the reference).
 """
 
 import json
@@ -21,23 +22,29 @@ RUN = (
 )  # fmt: skip
 
 
-def run(out_dir: str, tfds_dir: str, overrides: list[str], run_name: str) -> dict:
+def run(out_dir: str, tfds_dir: str, overrides: list[str], run_name: str, config_file: str = "grpo.yml") -> dict:
   metrics_file = pathlib.Path(out_dir) / f"{run_name}.jsonl"
   config = posttrain_config.initialize(
-      ["", "grpo.yml", f"run_name={run_name}", f"base_output_directory={out_dir}"]
+      ["", config_file, f"run_name={run_name}", f"base_output_directory={out_dir}"]
       + [f"dataset_path={tfds_dir}", f"metrics_file={metrics_file}", *RUN, *overrides]
   )
   loop = trainer.setup(config)
   trainer.train(loop)
   rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
   rows = [row for row in rows if "learning/loss" in row]
-  return {
+  ppo = config.posttrain_mode == "ppo"
+  out = {
       "mesh": dict(loop.mesh.shape),
       "rewards": [row["rl/reward_mean"] for row in rows],
       "losses": [row["learning/loss"] for row in rows],
-      "kl": [row["learning/kl"] for row in rows],
+      "kl": [row["rl/kl" if ppo else "learning/kl"] for row in rows],
   }
+  if ppo:
+    out["value_losses"] = [row["critic/loss"] for row in rows]
+    out["explained_variance"] = [row["rl/explained_variance"] for row in rows]
+  return out
 
 
 if __name__ == "__main__":
-  print(json.dumps(run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), "multidevice")), flush=True)
+  config_file = sys.argv[4] if len(sys.argv) > 4 else "grpo.yml"
+  print(json.dumps(run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), "multidevice", config_file)), flush=True)

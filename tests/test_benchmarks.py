@@ -5,6 +5,7 @@ import json
 from benchmarks import decode
 from benchmarks import dpo_vs_pretrain
 from benchmarks import grpo_vs_pretrain
+from benchmarks import ppo_vs_pretrain
 from benchmarks import peft_memory
 from benchmarks import sft_vs_pretrain
 
@@ -69,3 +70,18 @@ def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfd
   llama_full, llama_nf4 = rows["llama2-7b", "full"], rows["llama2-7b", "qlora_nf4_r8"]
   assert 6.7e9 < llama_full["model_parameters"] < 6.8e9 and llama_full["step_time_s"] is None
   assert llama_nf4["trainable_plus_optimizer_vs_full"] < 0.01 and 0.25 < llama_nf4["base_weight_vs_bf16"] < 0.3
+  # PPO's critic under LoRA trains its adapters and scalar head only, over a frozen bf16 base as large as the full one's
+  critic_full, critic_lora = rows["llama2-7b critic", "critic_full"], rows["llama2-7b critic", "critic_lora_r8"]
+  assert critic_full["model_parameters"] == llama_full["model_parameters"] + 4096  # the head: emb_dim x 1
+  assert critic_lora["trainable_plus_optimizer_vs_full"] < 0.01 and critic_lora["base_weight_vs_bf16"] > 0.99
+
+
+def test_ppo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_path, tfds_dir):
+  output = tmp_path / "ppo.json"
+  tiny = ["base_emb_dim=128", "base_mlp_dim=512", "base_num_decoder_layers=1", "max_target_length=96"]
+  ppo_vs_pretrain.main(["", "--repeats=2", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
+  (row,) = json.loads(output.read_text())
+  parts = ("rollout", "reward", "critic_forward", "reference", "policy_train", "critic_train")
+  assert all(row[f"{part}_time_s"] > 0 for part in parts), row
+  assert abs(row["step_time_s"] - sum(row[f"{part}_time_s"] for part in parts)) < 1e-9
+  assert 1.0 < row["flops_prediction"] < 2.0 and row["ratio_to_prediction"] > 0

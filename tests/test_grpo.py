@@ -141,7 +141,7 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   loop = trainer.setup(config)
   batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    logps, _ = jax.jit(lambda state, b: grpo.token_logps(nnx.merge(loop.primary.graphdef, state).model, b, 0.7))(
+    logps, _ = jax.jit(lambda state, b: rl_base.token_logps(nnx.merge(loop.primary.graphdef, state).model, b, 0.7))(
         loop.primary.state, batch
     )
   mask = np.asarray(batch["completion_mask"]) != 0

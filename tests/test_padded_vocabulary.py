@@ -9,7 +9,7 @@ from flax.linen import partitioning as nn_partitioning
 from scipy import special
 
 from maxtext_posttrain import trainer
-from maxtext_posttrain.objectives import grpo
+from maxtext_posttrain.objectives import rl_base
 
 NUM_PIECES = 512  # the bundled sentencepiece tokenizer's
 TINY = ("per_device_batch_size=2", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false")
@@ -31,8 +31,8 @@ def test_grpo_over_a_padded_vocabulary_samples_decodable_ids_and_keeps_the_ratio
 
   def score(state, b):
     """The trainer's log-probs of the targets over the decodable ids, its tempered logits, and the unmasked ones."""
-    logps, logits = grpo.token_logps(model(state), b, 0.7, NUM_PIECES)
-    return logps, logits, grpo.token_logps(model(state), b, 0.7)[1]
+    logps, logits = rl_base.token_logps(model(state), b, 0.7, NUM_PIECES)
+    return logps, logits, rl_base.token_logps(model(state), b, 0.7)[1]
 
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     logps, logits, unmasked = jax.device_get(jax.jit(score)(loop.primary.state, batch))

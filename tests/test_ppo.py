@@ -1,5 +1,7 @@
 """PPO with a learned critic: learning, the value's position, resume of both models, warm-up and bad input."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,19 +23,22 @@ CHARACTERS = ('rl.rewards=["tests.rewards_for_tests:characters"]', "rl.reward_we
 
 
 def test_ppo_raises_a_learnable_reward_and_its_critic_explains_the_returns(make_config, tmp_path):
-  """From random weights, on a reward that varies (characters / 100): the mean reward rises, and the critic's
-  values, fresh rollouts' values against their returns, explain more than none of their variance."""
+  """From random weights, on a reward that varies (characters / 100): the mean reward rises, and the critic comes to
+  explain the returns of fresh rollouts (their explained variance, 0 for the fresh critic, rises well above 0). A
+  discount (ppo.gamma=0.9) makes a token's return depend on how far it is from the end, which a critic can learn
+  from the positions; with gamma = 1 every token of a completion has nearly the same return."""
   metrics_file = tmp_path / "metrics.jsonl"
   config = make_config(
       *TINY, *CHARACTERS, "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
-      "rl.grpo_beta=0", "critic_overrides.learning_rate=0.003", f"metrics_file={metrics_file}", config_file=PPO,
+      "rl.grpo_beta=0", "ppo.gamma=0.9", "critic_overrides.learning_rate=0.003", f"metrics_file={metrics_file}",
+      config_file=PPO,
   )  # fmt: skip
   run_utils.run(config)
   rows = run_utils.rows(metrics_file)
-  rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
-  explained = [rows[step]["rl/explained_variance"] for step in sorted(rows)]
+  rewards = [rows[step]["rl/reward_mean"] for step in range(30)]
+  explained = [rows[step]["rl/explained_variance"] for step in range(30)]
   assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, rewards
-  assert explained[0] == 0.0 and np.mean(explained[-5:]) > 0.0, explained  # a fresh critic predicts nothing
+  assert explained[0] == 0.0 and np.mean(explained[-5:]) > 0.5, explained  # a fresh critic predicts nothing
 
 
 def test_the_value_of_a_token_is_read_at_the_position_before_it(make_config):
@@ -84,13 +89,20 @@ def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
   assert sorted(split) == sorted(full) == list(range(6))
   coefficients = [full[step]["rl/kl_coef"] for step in range(6)]
   assert len(set(coefficients)) > 3, coefficients  # the controller moves
-  for key in ("rl/reward_mean", "rl/kl_coef", "rl/explained_variance", "learning/loss", "critic/loss", "critic/grad_norm"):
+  for key in (
+      "rl/reward_mean",
+      "rl/kl_coef",
+      "rl/explained_variance",
+      "learning/loss",
+      "critic/loss",
+      "critic/grad_norm",
+  ):
     assert [split[s][key] for s in range(6)] == [full[s][key] for s in range(6)], key
 
 
 def test_critic_warmup_holds_the_policy(make_config, tmp_path):
-  """During ppo.critic_warmup_steps only the critic steps: the policy keeps its starting weights and optimizer step,
-  and its loss is logged as NaN (no step taken) while the critic's is logged."""
+  """During ppo.critic_warmup_steps only the critic steps: the policy keeps its starting weights and optimizer step;
+  the critic's figures are logged in rows without a policy loss."""
   metrics_file = tmp_path / "metrics.jsonl"
   config = make_config(
       *TINY, *CHARACTERS, "steps=2", "eval_interval=0", "rl.grpo_beta=0", "ppo.critic_warmup_steps=2",
@@ -105,8 +117,9 @@ def test_critic_warmup_holds_the_policy(make_config, tmp_path):
   )
   assert int(loop.trained["policy"].state.optimizer.step.get_value()) == 0
   assert int(loop.trained["critic"].state.optimizer.step.get_value()) == 2
-  rows = run_utils.rows(metrics_file)
-  assert all(np.isnan(rows[s]["learning/loss"]) and rows[s]["critic/loss"] >= 0 for s in (0, 1)), rows
+  rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+  warmup = [row for row in rows if "critic/loss" in row]
+  assert [row["step"] for row in warmup] == [0, 1] and not any("learning/loss" in row for row in warmup), rows
 
 
 @pytest.mark.parametrize(
@@ -115,7 +128,10 @@ def test_critic_warmup_holds_the_policy(make_config, tmp_path):
         (("ppo.num_minibatches=3",), r"ppo.num_minibatches=3 does not divide the 8 rollouts"),
         (("ppo.num_minibatches=2", "enable_checkpointing=true", "checkpoint_period=3"), "multiple of rl.num_iterations"),
         (("ppo.critic_init=reward_model",), "needs a reward model"),
-        (("ppo.critic_warmup_steps=1", "rl.num_iterations=2", "checkpoint_period=2"), "critic_warmup_steps=1 must be a multiple"),
+        (
+            ("ppo.critic_warmup_steps=1", "rl.num_iterations=2", "checkpoint_period=2"),
+            "critic_warmup_steps=1 must be a multiple",
+        ),
     ],
 )
 def test_impossible_ppo_settings_fail_naming_the_key(make_config, overrides, message):
@@ -135,7 +151,9 @@ def test_a_critic_checkpoint_of_another_shape_fails_naming_the_path(make_config,
       *TINY, f"load_parameters_path={sft_checkpoint}", "critic_overrides.base_emb_dim=64", "steps=1",
       config_file=PPO,
   )  # fmt: skip
-  with pytest.raises(ValueError, match=rf"Role critic: the checkpoint at {sft_checkpoint} does not hold .*embedding"):
+  expected = rf"Role critic: the checkpoint at {sft_checkpoint} does not hold the weights this config builds:\n  "
+  expected += r"decoder/decoder_norm/scale: checkpoint \(128,\) vs model \(64,\)"
+  with pytest.raises(ValueError, match=expected):
     trainer.setup(config)
   assert not (tmp_path / "run" / "critic" / "checkpoints").exists()
 
@@ -167,3 +185,33 @@ def test_critic_checkpoints_beside_the_policy_and_keeps_the_policy_layout(make_c
   policy = checkpoint_guard.stored_params(str(run_dir / "checkpoints" / "1" / "items"))
   assert forward.has_scalar_head(critic) and not forward.has_scalar_head(policy)
   assert set(critic) - set(policy) == {forward.SCALAR_HEAD}
+
+
+def test_a_lora_critic_trains_its_adapters_and_head_over_a_frozen_base(make_config):
+  """`lora_roles=[policy,critic]`: the critic's base stays bit-identical, its head and adapters move, and its
+  adapter checkpoint (adapters, head and their optimizer state) resumes the run."""
+  common = (*TINY, *CHARACTERS, "eval_interval=0", "enable_checkpointing=true", "checkpoint_period=2")
+  common += ("async_checkpointing=false", "lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8")
+  common += ("lora_roles=[policy,critic]", "critic_overrides.learning_rate=0.01")
+  loop = trainer.setup(make_config(*common, "steps=2", config_file=PPO))
+  base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(nnx.PathContains(forward.SCALAR_HEAD)))
+  start = jax.device_get(loop.trained["critic"].state.model.filter(base).to_pure_dict())
+  adapters = jax.device_get(loop.trained["critic"].state.model.filter(nnx.LoRAParam).to_pure_dict())
+  trainer.train(loop)  # saves steps 0 and 1 (the final step)
+  critic = loop.trained["critic"].state.model
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(critic.filter(base).to_pure_dict()), start)
+  moved = jax.tree.map(
+      lambda a, b: not np.array_equal(a, b), jax.device_get(critic.filter(nnx.LoRAParam).to_pure_dict()), adapters
+  )
+  assert any(jax.tree.leaves(moved)) and float(jnp.abs(critic.scalar_head.kernel.get_value()).max()) > 0
+  resumed = trainer.setup(make_config(*common, "steps=3", config_file=PPO))
+  assert resumed.start_step == 2 and int(resumed.trained["critic"].state.optimizer.step.get_value()) == 2
+  np.testing.assert_array_equal(
+      jax.device_get(resumed.trained["critic"].state.model.scalar_head.kernel.get_value()),
+      jax.device_get(critic.scalar_head.kernel.get_value()),
+  )
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      jax.device_get(resumed.trained["critic"].state.model.filter(base).to_pure_dict()),
+      start,
+  )

@@ -57,3 +57,15 @@ def test_rl_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(sharded["kl"], single["kl"], rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
+  """PPO (policy, critic and reference) on 4 fake devices (fsdp 2 x tensor 2) against one device: the same
+  completions (rewards equal), and policy losses, value losses, KL and the critic's explained variance match."""
+  single = multidevice_rl.run(str(tmp_path), str(tfds_dir), [], "single", "ppo.yml")
+  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+  (sharded,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), json.dumps(layout), "ppo.yml")
+  assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
+  assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
+  for key in ("losses", "value_losses", "kl", "explained_variance"):
+    np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=1e-6, err_msg=key)

@@ -85,9 +85,12 @@ def _parse_jsonl_line(line: str, path: str, line_number: int, columns: tuple[str
   for column in columns:
     if column not in record:
       raise ValueError(f"{path}:{line_number}: missing field {column!r} (fields: {sorted(record)}).")
-    if not isinstance(record[column], str):
-      raise ValueError(f"{path}:{line_number}: field {column!r} must be a string, got {type(record[column]).__name__}.")
-  return {column: record[column] for column in columns}
+    value = record[column]
+    if not isinstance(value, str) and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+      raise ValueError(
+          f"{path}:{line_number}: field {column!r} must be a string or a number, got {type(value).__name__}."
+      )
+  return {column: str(record[column]) for column in columns}  # numbers as text, as TFDS rows come (a margin column)
 
 
 def _jsonl_source(patterns: str, columns: tuple[str, ...]) -> RecordSource:

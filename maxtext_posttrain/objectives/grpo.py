@@ -23,31 +23,15 @@ import numpy as np
 from flax import nnx
 
 from maxtext_posttrain import config as config_lib
-from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives import rl_base
+from maxtext_posttrain.objectives.rl_base import RLObjective, ROW_KEYS, check_cycle, token_logps, training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register
-
 
 REFERENCE_KEY = "reference_logps"
 _ALGOS = {"grpo": "grpo", "gspo": "gspo", "gspo-token": "gspo_token"}
-
-
-def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, num_pieces=None, enable_dropout=False):
-  """([N, L] log-probs of the rows' targets under softmax(logits / T), the [N, L, V] tempered logits)."""
-  return forward.token_logps(
-      model,
-      batch["inputs"],
-      batch["positions"],
-      batch["segmentation"],
-      batch["targets"],
-      temperature,
-      num_pieces,
-      enable_dropout,
-  )
 
 
 @dataclasses.dataclass
@@ -64,11 +48,11 @@ class _Group:
     return bool(np.any(self.rewards != self.rewards[0]))
 
 
-class GRPO(rl_base.RLObjective):
+class GRPO(RLObjective):
   """`posttrain_mode=grpo` (and the presets registered below): group-relative policy optimisation."""
 
   name = "grpo"
-  batch_keys = rl_base.ROW_KEYS
+  batch_keys = ROW_KEYS
 
   def __init__(self, config):
     super().__init__(config, min_generations=2)
@@ -77,10 +61,10 @@ class GRPO(rl_base.RLObjective):
       raise ValueError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
     if rl.force_on_policy_ratio and rl.num_iterations > 1:
       raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")
-    rl_base.check_cycle(config, rl.num_iterations, f"rl.num_iterations={rl.num_iterations}")
+    check_cycle(config, rl.num_iterations, f"rl.num_iterations={rl.num_iterations}")
     if rl.grpo_beta > 0:
       self.roles += (roles.reference(),)
-      self.batch_keys = rl_base.ROW_KEYS + (REFERENCE_KEY,)
+      self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)
     self.algo = _ALGOS[rl.loss_algo]
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
     self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false
@@ -114,7 +98,7 @@ class GRPO(rl_base.RLObjective):
         "rl/zero_variance_fraction": float(np.mean([not g.informative for g in first_round])),
         "rl/sampling_rounds": float(rounds),
         "rl/masked_groups": float(masked),
-        "rl/reward_errors": float(sum(self.rewards.errors.values())),
+        "rl/reward_errors": self.reward_errors(),
     }
     batch = self._device_batch(loop, groups, masked)
     temperature = jnp.float32(self.sampling.temperature)
@@ -164,7 +148,7 @@ class GRPO(rl_base.RLObjective):
             rewards, rl.num_generations, estimator=rl.advantage_estimator, scale_by_std=rl.scale_rewards
         )
     )
-    rows = rl_base.training_rows(
+    rows = training_rows(
         [g.prompt for g in groups for _ in g.completions],
         [c for g in groups for c in g.completions],
         [lp for g in groups for lp in g.logprobs],

@@ -31,13 +31,14 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
-from maxtext_posttrain.objectives import rl_base
+from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, RLObjective, ROW_KEYS, check_cycle, token_logps
+from maxtext_posttrain.objectives.rl_base import training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register
 
 CRITIC = "critic"
 REFERENCE_KEY = "reference_logps"
 KL_COEF_KEY = "kl_coef"
-PPO_KEYS = rl_base.ROW_KEYS + ("returns", "old_values")
+PPO_KEYS = ROW_KEYS + ("returns", "old_values")
 
 
 def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def _advantages(scores, old_logps, reference_logps, values, mask, kl_coef, *, es
 
 
 @register
-class PPO(rl_base.RLObjective):
+class PPO(RLObjective):
   """`posttrain_mode=ppo`: the policy and a critic, trained on GAE advantages of the rollouts' rewards."""
 
   name = "ppo"
@@ -110,7 +111,7 @@ class PPO(rl_base.RLObjective):
       )
     self.minibatch_rows = rows // ppo.num_minibatches
     self.steps_per_rollout = rl.num_iterations * ppo.num_minibatches
-    rl_base.check_cycle(
+    check_cycle(
         config,
         self.steps_per_rollout,
         f"rl.num_iterations x ppo.num_minibatches = {rl.num_iterations} x {ppo.num_minibatches}",
@@ -120,13 +121,23 @@ class PPO(rl_base.RLObjective):
           f"ppo.critic_warmup_steps={ppo.critic_warmup_steps} must be a multiple of the {self.steps_per_rollout} steps "
           "of a rollout batch, so that the policy starts training on a fresh batch."
       )
-    if rl.force_on_policy_ratio:
-      raise ValueError("rl.force_on_policy_ratio does not apply to PPO, whose epochs move the policy off its rollouts.")
+    group_keys = {
+        "rl.loss_algo": rl.loss_algo != "grpo",
+        "rl.advantage_estimator": rl.advantage_estimator != "grpo",
+        "rl.dynamic_sampling": rl.dynamic_sampling,
+        "rl.force_on_policy_ratio": rl.force_on_policy_ratio,
+    }
+    named = [key for key, set_ in group_keys.items() if set_]
+    if named:
+      raise ValueError(
+          f"posttrain_mode=ppo does not use {', '.join(named)}: its advantages are the critic's GAE, its ratio PPO's "
+          "per token, over epochs that move the policy off its rollouts."
+      )
     self.use_reference = rl.grpo_beta > 0
     self.kl_in_loss = self.use_reference and ppo.kl_penalty == "loss"
     if self.use_reference:
       self.roles += (roles.reference(),)
-    reward_model = next((r for r in self.roles if r.name == rl_base.REWARD_MODEL), None)
+    reward_model = next((r for r in self.roles if r.name == REWARD_MODEL), None)
     self.roles += (
         roles.RoleSpec(
             CRITIC,
@@ -182,7 +193,7 @@ class PPO(rl_base.RLObjective):
     """Samples and scores this step's rollouts and computes their advantages and returns (host copies kept)."""
     timer, metrics = time.perf_counter(), {}
     out = self.sample(loop, self.indices(batch), 0, metrics)
-    rows = rl_base.training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
+    rows = training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
     device = pipeline.global_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
@@ -210,8 +221,8 @@ class PPO(rl_base.RLObjective):
         lam=self.ppo.lam,
         whiten=self.ppo.whiten_advantages,
     )
-    for quantity, ok in finite.items():
-      if not bool(ok):
+    for quantity in ("values", "returns"):  # values first: a non-finite value makes the returns so too
+      if not bool(finite[quantity]):
         raise FloatingPointError(
             f"PPO step {loop.step}: the rollout's {quantity} are not finite (NaN or inf); the step was not taken and "
             "no checkpoint was written for it."
@@ -232,7 +243,7 @@ class PPO(rl_base.RLObjective):
     metrics |= {
         "rl/reward_mean": float(out.rewards.mean()),
         "rl/reward_std": float(out.rewards.std()),
-        "rl/reward_errors": float(sum(self.rewards.errors.values())),
+        "rl/reward_errors": self.reward_errors(),
         "rl/before_step_seconds": time.perf_counter() - timer,
     }
     self._rollout, self._rollout_step, self.step_metrics = host, loop.step, metrics
@@ -245,15 +256,8 @@ class PPO(rl_base.RLObjective):
     entropy bonus)."""
     del frozen
     config, rl = self.config, self.rl
-    logps, logits = forward.token_logps(
-        model,
-        batch["inputs"],
-        batch["positions"],
-        batch["segmentation"],
-        batch["targets"],
-        self.sampling.temperature,
-        self.num_pieces,
-        config.enable_dropout and is_train,
+    logps, logits = token_logps(
+        model, batch, self.sampling.temperature, self.num_pieces, config.enable_dropout and is_train
     )
     mask = batch["completion_mask"]
     out = policy_gradient.policy_loss(
@@ -276,7 +280,9 @@ class PPO(rl_base.RLObjective):
     if self.kl_in_loss:
       total = total + jnp.mean(batch[KL_COEF_KEY]) * out.metrics["kl"]
     if self.ppo.entropy_coef:
-      total = total - self.ppo.entropy_coef * policy_gradient.aggregate(entropy, mask, self.agg_mode, self.max_new_tokens)[0]
+      total = (
+          total - self.ppo.entropy_coef * policy_gradient.aggregate(entropy, mask, self.agg_mode, self.max_new_tokens)[0]
+      )
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
     metrics = out.metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
     return LossOutput(total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})

@@ -20,7 +20,7 @@ from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.losses import reward_model as reward_model_losses
-from maxtext_posttrain.objectives import dpo
+from maxtext_posttrain.objectives.dpo import Preference, check_config, interleave
 from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
 
 ROLE = "reward_model"
@@ -28,9 +28,9 @@ ROLE = "reward_model"
 
 def pair_rewards(model, batch: dict[str, jax.Array], enable_dropout: bool = False) -> tuple[jax.Array, jax.Array]:
   """([B] chosen rewards, [B] rejected rewards): the scalar head at each side's last token, from one forward."""
-  segmentation = dpo.interleave(batch, "segmentation")
+  segmentation = interleave(batch, "segmentation")
   values = forward.scalars(
-      model, dpo.interleave(batch, "inputs"), dpo.interleave(batch, "positions"), segmentation, enable_dropout
+      model, interleave(batch, "inputs"), interleave(batch, "positions"), segmentation, enable_dropout
   )
   last = jnp.maximum(jnp.sum(segmentation != 0, axis=-1) - 1, 0)
   rewards = jnp.take_along_axis(values, last[:, None], axis=-1)[:, 0].reshape(-1, 2)
@@ -42,11 +42,11 @@ class RewardModel(Objective):
   """`posttrain_mode=reward_model`: Bradley-Terry on preference pairs."""
 
   name = "reward_model"
-  batch_keys = dpo.Preference.batch_keys
+  batch_keys = Preference.batch_keys
 
   def __init__(self, config):
     super().__init__(config)
-    dpo.check_config(config)
+    check_config(config)
     self.section = config_lib.reward_model(config)
     self.roles = (roles.RoleSpec(ROLE, trained=True, head="scalar", loss=self.loss),)
 

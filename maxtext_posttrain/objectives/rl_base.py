@@ -57,6 +57,20 @@ def training_rows(
   return rows
 
 
+def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, num_pieces=None, enable_dropout=False):
+  """([N, L] log-probs of the rows' targets under softmax(logits / T), the [N, L, V] tempered logits)."""
+  return forward.token_logps(
+      model,
+      batch["inputs"],
+      batch["positions"],
+      batch["segmentation"],
+      batch["targets"],
+      temperature,
+      num_pieces,
+      enable_dropout,
+  )
+
+
 def reward_model_role(config) -> roles.RoleSpec:
   """The frozen reward model: a scalar-head model of the run's config plus `reward_model_overrides`."""
   overrides = dict(config.reward_model_overrides)
@@ -139,7 +153,10 @@ class RLObjective(Objective):
     self.sampling = rollout.SamplingParams.from_config(config)
     weights = rl.reward_weights or [1.0] * len(rl.rewards)
     functions = [(name, weight) for name, weight in zip(rl.rewards, weights) if name != REWARD_MODEL]
-    self.rewards = rewards_lib.RewardSet([n for n, _ in functions], [w for _, w in functions], rl.reward_on_error)
+    # The reward functions; None when the reward model is the only reward.
+    self.rewards = None
+    if functions or not rl.rewards:
+      self.rewards = rewards_lib.RewardSet([n for n, _ in functions], [w for _, w in functions], rl.reward_on_error)
     self.reward_model_weight = dict(zip(rl.rewards, weights)).get(REWARD_MODEL)
     if self.reward_model_weight is not None:
       self.roles += (reward_model_role(config),)
@@ -157,6 +174,10 @@ class RLObjective(Objective):
       description["eval"] = self.eval_prompts.describe()
     iterator = prompts_lib.make_prompt_iterator(config, mesh, self.train_prompts)
     return ObjectiveData(train=iterator, eval=None, description=description)
+
+  def reward_errors(self) -> float:
+    """Failed reward-function rows so far (scored 0 under rl.reward_on_error=zero)."""
+    return float(sum(self.rewards.errors.values())) if self.rewards is not None else 0.0
 
   def after_step(self, loop, step, metrics):
     metrics["scalar"].update(self.step_metrics)
@@ -185,9 +206,11 @@ class RLObjective(Objective):
     texts = [self.encoder.decode_completion(c) for c in completions]
     start = time.perf_counter()
     rows = [i for i in indices for _ in range(num_samples)]
-    total, per_function = self.rewards.score(
-        [prompt_set.prompt_texts[i] for i in rows], texts, [prompt_set.answers[i] for i in rows]
-    )
+    total, per_function = np.zeros(len(rows), np.float32), {}
+    if self.rewards is not None:
+      total, per_function = self.rewards.score(
+          [prompt_set.prompt_texts[i] for i in rows], texts, [prompt_set.answers[i] for i in rows]
+      )
     if self.reward_model_weight is not None:
       scores = self.reward_model_scores(loop, out.prompts, completions)
       total = total + np.float32(self.reward_model_weight) * scores
@@ -222,15 +245,7 @@ class RLObjective(Objective):
 
   def target_logps(self, model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
     """[N, L] log-probs of the targets under a model of the policy's kind: the reference's, or the old policy's."""
-    return forward.token_logps(
-        model,
-        batch["inputs"],
-        batch["positions"],
-        batch["segmentation"],
-        batch["targets"],
-        temperature,
-        self.num_pieces,
-    )[0]
+    return token_logps(model, batch, temperature, self.num_pieces)[0]
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
     """The rollouts' mean shaped reward (absent on steps that sample none), and the KL to the reference when the
@@ -246,4 +261,3 @@ class RLObjective(Objective):
     loop.cache["generations"] = samples
     loop.cache.setdefault("evaluations", {})[loop.step] = samples  # with per-prompt scores, for paired comparisons
     return {f"eval/{name}": value for name, value in metrics.items()}
-

@@ -23,6 +23,7 @@ from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import roles
 from maxtext_posttrain import trained_model
+from maxtext_posttrain.peft import adapter_checkpoint
 from maxtext_posttrain.peft import lora
 
 
@@ -39,6 +40,7 @@ def adapter_model(config) -> tuple[nnx.Module, int]:
   init_state_fn, _ = trained_model.state_initializer(config, mesh, roles.policy())
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)
+  adapter_checkpoint.install()  # MaxText's restore then reads the adapter state the run saved
   checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
   step = None if checkpoint_manager is None else checkpointing.latest_step(checkpoint_manager)
   if step is None:

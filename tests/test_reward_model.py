@@ -1,0 +1,114 @@
+"""Reward models: Bradley-Terry training on the bundled pairs, use as an RL reward, and refused checkpoints."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import trainer
+from maxtext_posttrain.data import preference as preference_data
+from tests import run_utils
+
+RM_STEPS = 200
+import os
+
+EXTRA = {"ppo.yml": tuple(os.environ.get("PPO_EXTRA", "").split())}
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory, tfds_dir, sft_checkpoint):
+  """A seeded reward model trained from the SFT model's decoder (fresh head) on the bundled arithmetic pairs,
+  evaluated on held-out pairs at steps 0 and RM_STEPS."""
+  out = tmp_path_factory.mktemp("rm")
+  argv = ["", "reward_model.yml", "run_name=rm", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
+  argv += [f"load_parameters_path={sft_checkpoint}", f"steps={RM_STEPS}", f"eval_interval={RM_STEPS}"]
+  argv += [f"checkpoint_period={RM_STEPS}", "async_checkpointing=false", f"metrics_file={out / 'metrics.jsonl'}"]
+  _, summary = run_utils.run(posttrain_config.initialize(argv))
+  return {"summary": summary, "checkpoint": out / "rm" / "checkpoints" / str(RM_STEPS - 1) / "items"}
+
+
+def test_reward_model_learns_to_prefer_held_out_chosen_solutions(reward_model):
+  """A fresh (zero) head ties every pair (accuracy exactly 0.5, margin 0); after training the model prefers the
+  worked solution to the plausible wrong one on held-out pairs well above chance (the issue's 90% is not reached by
+  this 2-layer decoder's last-token head: see the README)."""
+  evals = reward_model["summary"]["evals"]
+  assert evals[0]["eval/accuracy"] == 0.5 and evals[0]["eval/margin"] == 0.0, evals[0]
+  assert evals[RM_STEPS]["eval/accuracy"] > 0.55 and evals[RM_STEPS]["eval/margin"] > 0, evals[RM_STEPS]
+
+
+def _rl_with_reward_model(make_config, reward_model, sft_checkpoint, config_file, *overrides):
+  return make_config(
+      "per_device_batch_size=4", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false",
+      "rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", "rl.grpo_beta=0", "eval_interval=0",
+      f"reward_model_overrides.load_parameters_path={reward_model['checkpoint']}", "learning_rate=1e-3",
+      f"load_parameters_path={sft_checkpoint}", *overrides, config_file=config_file,
+  )  # fmt: skip
+
+
+def test_grpo_with_the_reward_model_raises_its_score(make_config, reward_model, sft_checkpoint):
+  """`rl.rewards=[reward_model]`: the frozen reward model scores each rollout at its last token, and GRPO raises its
+  mean score on a fixed set of 16 training prompts x 4 samples, drawn with the same random key before and after."""
+  loop = trainer.setup(_rl_with_reward_model(make_config, reward_model, sft_checkpoint, "grpo.yml", "steps=20"))
+
+  def mean_score() -> float:
+    step, loop.step = loop.step, 10**6  # the sampling key is folded from the step: one key for both measurements
+    scores = loop.objective.sample(loop, list(range(16)), 0, None).rewards
+    loop.step = step
+    return float(np.mean(scores))
+
+  before = mean_score()
+  trainer.train(loop)
+  after = mean_score()
+  assert after > before + 0.3, (before, after)
+
+
+def test_ppo_scores_with_the_reward_model_and_its_critic_starts_from_it(make_config, reward_model, sft_checkpoint):
+  """PPO with a reward model: its critic starts from the reward model's checkpoint (ppo.critic_init=auto), head
+  included, and each rollout's reward-model score is logged."""
+  config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, "ppo.yml", "steps=2")
+  loop = trainer.setup(config)
+  np.testing.assert_array_equal(
+      jax.device_get(loop.trained["critic"].state.model.scalar_head.kernel.get_value()),
+      jax.device_get(loop.frozen["reward_model"].state.scalar_head.kernel.get_value()),
+  )
+  trainer.train(loop)
+  assert loop.objective.step_metrics["rl/rewards/reward_model"] == loop.objective.step_metrics["rl/reward_mean"]
+
+
+def test_a_checkpoint_without_a_scalar_head_is_not_a_reward_model(make_config, sft_checkpoint, tmp_path):
+  config = make_config(
+      "rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", "enable_checkpointing=false",
+      f"reward_model_overrides.load_parameters_path={sft_checkpoint}", config_file="grpo.yml",
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=rf"Role reward_model: the checkpoint at {sft_checkpoint} has no scalar head"):
+    trainer.setup(config)
+  assert not (tmp_path / "run").exists()
+
+
+def test_reward_model_needs_its_checkpoint_and_the_policys_tokens(make_config, reward_model):
+  with pytest.raises(ValueError, match=r"reward_model_overrides.load_parameters_path is not set"):
+    trainer.setup(make_config("rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", config_file="grpo.yml"))
+  config = make_config(
+      "rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", "reward_model_overrides.vocab_size=1024",
+      f"reward_model_overrides.load_parameters_path={reward_model['checkpoint']}", config_file="grpo.yml",
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"reads other tokens than the policy: vocab_size=1024 \(policy: 512\)"):
+    trainer.setup(config)
+
+
+def test_a_fourth_column_is_a_per_pair_margin(make_config, tmp_path):
+  rows = [
+      {"prompt": "Tom has 3 apples and buys 5 more. How many now?", "chosen": "#### 8", "rejected": "#### 9", "m": 1.5},
+      {"prompt": "Ann has 2 pens and loses 1. How many now?", "chosen": "#### 1", "rejected": "#### 3", "m": "x"},
+  ]
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows[:1]))
+  columns = '["prompt","chosen","rejected","m"]'
+  keys = ("grain_file_type=jsonl", f"grain_train_files={path}", f"train_data_columns={columns}")
+  examples, _ = preference_data.prepare_pairs(make_config(*keys, config_file="reward_model.yml"), train=True)
+  assert examples[0][preference_data.MARGIN] == 1.5
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  with pytest.raises(ValueError, match=r"train pair 1 of jsonl:.*column 'm' holds 'x', not a finite number"):
+    preference_data.prepare_pairs(make_config(*keys, config_file="reward_model.yml"), train=True)
