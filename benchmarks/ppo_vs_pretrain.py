@@ -55,6 +55,7 @@ def main(argv):
       config,
       micro_batch_size_to_train_on=rows,
       global_batch_size_to_train_on=rows,
+      per_device_batch_size=rows / jax.device_count(),  # for MaxText's FLOP count of the step
   )
   p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
   times = {part: [] for part in (*PARTS, *TRAIN_PARTS, "pretrain")}
@@ -63,7 +64,7 @@ def main(argv):
     for repeat in range(-2, repeats):  # two warm-up rounds compile every program
       batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
       metrics = dict(loop.objective.step_metrics)
-      scalars = trainer._train_step(loop, batch)["scalar"]  # pylint: disable=protected-access
+      scalars = trainer._train_step(loop, batch)[0]["scalar"]  # pylint: disable=protected-access
       loop.step += 1
       policy = loop.primary
       start = time.perf_counter()

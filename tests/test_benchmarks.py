@@ -78,7 +78,7 @@ def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfd
 
 def test_ppo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_path, tfds_dir):
   output = tmp_path / "ppo.json"
-  tiny = ["base_emb_dim=128", "base_mlp_dim=512", "base_num_decoder_layers=1", "max_target_length=96"]
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=160"]
   ppo_vs_pretrain.main(["", "--repeats=2", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
   (row,) = json.loads(output.read_text())
   parts = ("rollout", "reward", "critic_forward", "reference", "policy_train", "critic_train")
