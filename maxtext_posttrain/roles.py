@@ -83,7 +83,8 @@ def role_config(config, spec: RoleSpec, primary: bool = True):
   """The MaxText config `spec` runs: the run's config, or the run's re-initialised with `spec.overrides` (MaxText's
   precedence: yml < command line < overrides). A trained role other than the primary one checkpoints beside the
   primary's `<run>/checkpoints`, in `<run>/<role>/checkpoints`, without the data iterator's state, which the
-  primary's checkpoints carry (MaxText saves it for dataset_type=grain; the role's config reads no data)."""
+  primary's checkpoints carry (MaxText saves it for dataset_type=grain; the role's config reads no data), and
+  without `lora.lora_restore_path`, whose adapters are the policy's."""
   if not spec.overrides:
     role = config
   else:
@@ -95,6 +96,8 @@ def role_config(config, spec: RoleSpec, primary: bool = True):
         role,
         checkpoint_dir=os.path.join(config.base_output_directory, config.run_name, spec.name, "checkpoints", ""),
         dataset_type=types.DatasetType.SYNTHETIC,
+        # lora.lora_restore_path names the policy's starting adapters; another role's start fresh.
+        lora=role.lora.model_copy(update={"lora_restore_path": ""}),
     )
   return role
 
