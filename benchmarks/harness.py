@@ -6,9 +6,11 @@ A leading yml replaces the benchmark's config (sft.yml unless it says otherwise)
 are the benchmark's own options.
 """
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 
 import jax
@@ -57,6 +59,7 @@ class Args:
 
 def _initialize(config_file: str, run_name: str, *keys: str):
   workdir = tempfile.mkdtemp(prefix=f"posttrain_bench_{run_name}_")
+  atexit.register(shutil.rmtree, workdir, ignore_errors=True)
   return posttrain_config.initialize(
       ["", config_file, f"run_name={run_name}", f"base_output_directory={workdir}"]
       + ["enable_checkpointing=false", "eval_interval=0", "steps=1000", *keys]

@@ -9,9 +9,17 @@ pretraining; the critic is the same decoder without the LM head's projection (it
 hidden state; XLA drops the unused logits), so FLOPs predict it at 1 - (LM head share of the pretraining FLOPs).
 Both train parts are measured by the loop's own per-role timing (`perf/<role>_train_seconds`); the pretraining step
 is MaxText's, jitted by MaxText with the same state shardings and donation, run alternately in one process on the
-PPO rows. Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, critic_forward_time_s,
+PPO rows.
+
+The loop runs one jitted step per trained role. The row also measures the alternative, one program over both roles
+(the two steps traced into one jit, both states donated), on the same rows in the same process: its time against the
+two programs dispatched back to back, and XLA's temporary bytes of each program (`memory_analysis`), since the fused
+program holds both roles' activations and gradients at once where the separate ones hold one role's at a time.
+
+Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, critic_forward_time_s,
 reference_time_s, policy_train_time_s, critic_train_time_s, pretrain_step_time_s, train_ratio, flops_prediction,
-ratio_to_prediction}`.
+ratio_to_prediction, separate_train_time_s, fused_train_time_s, fused_vs_separate, policy_temp_bytes,
+critic_temp_bytes, fused_temp_bytes}`.
 
   python -m benchmarks.ppo_vs_pretrain [ppo.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
@@ -41,6 +49,22 @@ def flops_prediction(config) -> float:
   return 2.0 - head / total
 
 
+def fused_train_step(policy, critic):
+  """One program running the policy's and the critic's jitted train steps on the same batch, both states donated."""
+
+  def step(policy_state, critic_state, batch, frozen_states):
+    return policy.p_train_step(policy_state, batch, frozen_states), critic.p_train_step(
+        critic_state, batch, frozen_states
+    )
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def temp_bytes(jitted, *args) -> int:
+  """XLA's temporary (scratch) bytes of `jitted`'s compiled program for `args`."""
+  return int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
 def main(argv):
   args = harness.parse(argv, default_config="ppo.yml")
   repeats = int(args.flag("repeats", "5"))
@@ -58,7 +82,9 @@ def main(argv):
       per_device_batch_size=rows / jax.device_count(),  # for MaxText's FLOP count of the step
   )
   p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
-  times = {part: [] for part in (*PARTS, *TRAIN_PARTS, "pretrain")}
+  policy, critic = loop.primary, loop.trained["critic"]
+  p_fused = fused_train_step(policy, critic)
+  times = {part: [] for part in (*PARTS, *TRAIN_PARTS, "pretrain", "separate_train", "fused_train")}
 
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for repeat in range(-2, repeats):  # two warm-up rounds compile every program
@@ -66,11 +92,23 @@ def main(argv):
       metrics = dict(loop.objective.step_metrics)
       scalars = trainer._train_step(loop, batch)[0]["scalar"]  # pylint: disable=protected-access
       loop.step += 1
-      policy = loop.primary
       start = time.perf_counter()
       policy.state, _ = jax.block_until_ready(p_pretrain_step(policy.state, pretraining_batch(batch)))
+      pretrain_time = time.perf_counter() - start
+      frozen_states = loop.frozen_states()
+      start = time.perf_counter()
+      policy.state, _ = policy.p_train_step(policy.state, batch, frozen_states)
+      critic.state, _ = critic.p_train_step(critic.state, batch, frozen_states)
+      jax.block_until_ready((policy.state, critic.state))
+      separate_time = time.perf_counter() - start
+      start = time.perf_counter()
+      (policy.state, _), (critic.state, _) = p_fused(policy.state, critic.state, batch, frozen_states)
+      jax.block_until_ready((policy.state, critic.state))
+      fused_time = time.perf_counter() - start
       if repeat >= 0:
-        times["pretrain"].append(time.perf_counter() - start)
+        times["pretrain"].append(pretrain_time)
+        times["separate_train"].append(separate_time)
+        times["fused_train"].append(fused_time)
         for part in PARTS:
           times[part].append(metrics.get(f"rl/{part}_seconds", 0.0))
         times["policy_train"].append(float(scalars["perf/policy_train_seconds"]))
@@ -84,9 +122,19 @@ def main(argv):
   row["flops_prediction"] = flops_prediction(pretrain_config)
   row["ratio_to_prediction"] = row["train_ratio"] / row["flops_prediction"]
   row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
+  row["separate_train_time_s"] = statistics.median(times["separate_train"])
+  row["fused_train_time_s"] = statistics.median(times["fused_train"])
+  row["fused_vs_separate"] = row["fused_train_time_s"] / row["separate_train_time_s"]
+  with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    frozen_states = loop.frozen_states()
+    row["policy_temp_bytes"] = temp_bytes(policy.p_train_step, policy.state, batch, frozen_states)
+    row["critic_temp_bytes"] = temp_bytes(critic.p_train_step, critic.state, batch, frozen_states)
+    row["fused_temp_bytes"] = temp_bytes(p_fused, policy.state, critic.state, batch, frozen_states)
   printed = ("objective", "step_time_s", *(f"{p}_time_s" for p in (*PARTS, *TRAIN_PARTS)), "pretrain_step_time_s")
+  fused = ("separate_train_time_s", "fused_train_time_s", "fused_vs_separate")
+  fused += ("policy_temp_bytes", "critic_temp_bytes", "fused_temp_bytes")
   harness.write_row(
-      row, loop, repeats, times, output, (*printed, "train_ratio", "flops_prediction", "ratio_to_prediction")
+      row, loop, repeats, times, output, (*printed, "train_ratio", "flops_prediction", "ratio_to_prediction", *fused)
   )
 
 

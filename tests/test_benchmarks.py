@@ -85,3 +85,6 @@ def test_ppo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_pat
   assert all(row[f"{part}_time_s"] > 0 for part in parts), row
   assert abs(row["step_time_s"] - sum(row[f"{part}_time_s"] for part in parts)) < 1e-9
   assert 1.0 < row["flops_prediction"] < 2.0 and row["ratio_to_prediction"] > 0
+  # One program over both roles, against the loop's two: timed, and XLA's scratch bytes of each program.
+  assert row["fused_vs_separate"] == row["fused_train_time_s"] / row["separate_train_time_s"] > 0
+  assert 0 < max(row["policy_temp_bytes"], row["critic_temp_bytes"]) <= row["fused_temp_bytes"], row

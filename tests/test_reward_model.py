@@ -12,9 +12,6 @@ from maxtext_posttrain.data import preference as preference_data
 from tests import run_utils
 
 RM_STEPS = 200
-import os
-
-EXTRA = {"ppo.yml": tuple(os.environ.get("PPO_EXTRA", "").split())}
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,9 @@ PPO_KEYS = ROW_KEYS + ("returns", "old_values")
 
 def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, Any]:
   """`critic_overrides` with the critic's starting checkpoint resolved from `ppo.critic_init`: the reward model's
-  (`reward_model_overrides.load_parameters_path`), the policy's (`load_parameters_path`, or its seeded init when
-  unset) or none (seeded init); auto: the reward model's when one scores the rollouts, else the policy's."""
+  (`reward_model_overrides`: its checkpoint and whatever shapes its model, e.g. more layers than the policy, with
+  `critic_overrides` on top), the policy's (`load_parameters_path`, or its seeded init when unset) or none (seeded
+  init); auto: the reward model's when one scores the rollouts, else the policy's."""
   ppo = config_lib.ppo(config)
   overrides = dict(config.critic_overrides)
   if "load_parameters_path" in overrides:
@@ -60,7 +61,7 @@ def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, A
   if init == "reward_model":
     if reward_model is None:
       raise ValueError("ppo.critic_init=reward_model needs a reward model: add reward_model to rl.rewards.")
-    overrides["load_parameters_path"] = reward_model.overrides["load_parameters_path"]
+    overrides = dict(reward_model.overrides) | overrides
   else:
     overrides["load_parameters_path"] = config.load_parameters_path if init == "policy" else ""
   return overrides
