@@ -10,6 +10,8 @@ from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
 from maxtext_posttrain.objectives import base as objectives_base
+from maxtext_posttrain.objectives import ppo
+from maxtext_posttrain.objectives import rl_base
 from maxtext_posttrain.objectives import sft
 from tests import run_utils
 
@@ -64,6 +66,17 @@ def test_role_overrides_build_another_maxtext_config(make_config):
   role = roles.role_config(config, spec, primary=False)
   assert (role.num_decoder_layers, role.emb_dim, config.num_decoder_layers, config.emb_dim) == (1, 64, 2, 128)
   assert role.checkpoint_dir.endswith("/run/critic/checkpoints/") and config.checkpoint_dir.endswith("/run/checkpoints/")
+
+
+def test_a_critic_started_from_the_reward_model_takes_its_shape(make_config):
+  """ppo.critic_init=auto with a reward model: the critic's config is the reward model's overrides (its checkpoint
+  and its depth, here deeper than the policy) with `critic_overrides` on top, so the checkpoint fits the critic."""
+  config = make_config(
+      "rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", "reward_model_overrides.load_parameters_path=/rm/items",
+      "reward_model_overrides.base_num_decoder_layers=4", "critic_overrides.learning_rate=0.003", config_file=PPO,
+  )  # fmt: skip
+  overrides = ppo.critic_overrides(config, rl_base.reward_model_role(config))
+  assert overrides == {"load_parameters_path": "/rm/items", "base_num_decoder_layers": 4, "learning_rate": 0.003}
 
 
 def test_unknown_or_token_changing_overrides_fail_naming_them(make_config):

@@ -244,12 +244,10 @@ def sparse_token_divergence(
 def _aggregate(
     per_token: jax.Array, agreement: jax.Array, mask: jax.Array, temperature: float | jax.Array
 ) -> DistillationLoss:
-  on = mask != 0
-  weights = mask.astype(jnp.float32)
-  divergence = jnp.sum(jnp.where(on, weights * per_token, 0.0))
-  metrics = {"divergence": divergence, "top1_agreement": jnp.sum(jnp.where(on & agreement, weights, 0.0))}
-  total = jnp.square(jnp.asarray(temperature, jnp.float32)) * divergence
-  return DistillationLoss(total=total, weight=jnp.sum(weights), metrics=metrics)
+  soft = _masked_mean_loss(per_token, mask)
+  metrics = {"divergence": soft.total, "top1_agreement": _masked_mean_loss(agreement.astype(jnp.float32), mask).total}
+  total = jnp.square(jnp.asarray(temperature, jnp.float32)) * soft.total
+  return DistillationLoss(total=total, weight=soft.weight, metrics=metrics)
 
 
 def logit_loss(
