@@ -4,14 +4,14 @@
 # Run it in a clean clone of the commit whose README it checks, after `make env`:
 #
 #   bash scripts/readme_figures.sh /tmp/figures            # everything (about 45 minutes on 2 CPU cores)
-#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, bench
+#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, bench
 #
 # The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
 set -euo pipefail
 
-OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [bench]}")
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [bench]}")
 shift
-GROUPS_WANTED=${*:-demo dpo bench}
+GROUPS_WANTED=${*:-demo dpo rm bench}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
 export JAX_PLATFORMS=cpu
@@ -41,8 +41,6 @@ if wanted dpo; then
   run dpo "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo base_output_directory="$OUT/dpo" \
     load_parameters_path="$OUT/dpo/sft/checkpoints/199/items" eval_interval=50 eval_steps=8 \
     metrics_file="$OUT/dpo/dpo_metrics.jsonl"
-  run reward_model "$PY" -m maxtext_posttrain.train reward_model.yml run_name=rm base_output_directory="$OUT/dpo" \
-    load_parameters_path="$OUT/dpo/sft/checkpoints/199/items" eval_interval=50 eval_steps=8 enable_checkpointing=false
   run dpo_random "$PY" -m maxtext_posttrain.train dpo.yml run_name=dpo_random base_output_directory="$OUT/dpo" \
     eval_interval=250 eval_steps=8 enable_checkpointing=false
   for algo in orpo simpo; do  # the reference-free algorithms from random weights, as the tests run them
@@ -50,6 +48,13 @@ if wanted dpo; then
       dpo.algo="$algo" learning_rate=3e-3 steps=75 eval_interval=75 eval_steps=8 max_target_length=96 \
       enable_checkpointing=false
   done
+fi
+
+if wanted rm; then  # the reward model starts from a 4-layer SFT model
+  run rm_sft4 "$PY" -m maxtext_posttrain.train sft.yml run_name=sft4 base_output_directory="$OUT/rm" steps=200 \
+    base_num_decoder_layers=4
+  run reward_model "$PY" -m maxtext_posttrain.train reward_model.yml run_name=rm base_output_directory="$OUT/rm" \
+    load_parameters_path="$OUT/rm/sft4/checkpoints/199/items" base_num_decoder_layers=4 enable_checkpointing=false
 fi
 
 if wanted bench; then

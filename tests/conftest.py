@@ -48,3 +48,19 @@ def sft_run(tmp_path_factory, tfds_dir):
 def sft_checkpoint(sft_run):
   """Params of the 200-step SFT run."""
   return sft_run["checkpoint"]
+
+
+@pytest.fixture(scope="session")
+def deep_sft_checkpoint(tmp_path_factory, tfds_dir):
+  """Params of a seeded 200-step SFT run of the same config with run_utils.DEEP_SFT_LAYERS decoder layers: the reward model's
+  starting point (the 2-layer decoder's last-token score stays well under 90% held-out pair accuracy) and a teacher
+  deeper than the usual 2-layer student."""
+  from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
+  from tests import run_utils  # pylint: disable=import-outside-toplevel
+
+  out = tmp_path_factory.mktemp("deep_sft")
+  argv = ["", "sft.yml", "run_name=sft", f"base_output_directory={out}", f"dataset_path={tfds_dir}", "steps=200"]
+  argv += [f"base_num_decoder_layers={run_utils.DEEP_SFT_LAYERS}", "eval_interval=0", "checkpoint_period=1000"]
+  argv += ["async_checkpointing=false"]
+  run_utils.run(posttrain_config.initialize(argv))
+  return out / "sft" / "checkpoints" / "199" / "items"

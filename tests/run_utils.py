@@ -4,6 +4,9 @@ import json
 
 from maxtext_posttrain import trainer
 
+# Decoder layers of the session's deeper SFT model (conftest's deep_sft_checkpoint); the usual tiny model has 2.
+DEEP_SFT_LAYERS = 4
+
 
 def run(config):
   """(loop, summary) of a full run of `config`."""
