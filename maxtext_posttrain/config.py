@@ -172,6 +172,28 @@ class RewardModelSection(pydantic.BaseModel):
   )
 
 
+class DistillSection(pydantic.BaseModel):
+  """What distillation (posttrain_mode=distill) needs beyond MaxText's keys, which keep their meaning there:
+  `distill_alpha` (the soft term's weight against the hard labels'), `distill_temperature`, their `*_end` /
+  `*_schedule`, `teacher_overrides` (the teacher: the yml plus these) and `student_overrides` (the student: the run's
+  config plus these)."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+      "forward_kl",
+      description="The soft term: KL(teacher || student) (MaxText's), KL(student || teacher), or the generalized "
+      "Jensen-Shannon divergence with distill.jsd_beta (GKD's; 0 and 1 are the two KLs).",
+  )
+  jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="The mixture weight of divergence=jsd (TRL's beta).")
+  top_k: int = Field(
+      0,
+      ge=0,
+      description="A sparse teacher: its top_k most likely tokens plus their remaining mass as one bucket (0: the "
+      "whole distribution).",
+  )
+
+
 class PostTrainConfig(types.MaxTextConfig):
   """MaxText's config with the post-training keys."""
 
@@ -204,6 +226,9 @@ class PostTrainConfig(types.MaxTextConfig):
   ppo: PPO = Field(default_factory=PPO, description="PPO with a learned critic (posttrain_mode=ppo).")
   reward_model: RewardModelSection = Field(
       default_factory=RewardModelSection, description="Reward-model training (posttrain_mode=reward_model)."
+  )
+  distill: DistillSection = Field(
+      default_factory=DistillSection, description="Distillation (posttrain_mode=distill) beyond MaxText's distill_* keys."
   )
   critic_overrides: dict[str, Any] = Field(
       default_factory=dict,
@@ -290,6 +315,11 @@ def reward_model(config) -> RewardModelSection:
   return section if isinstance(section, RewardModelSection) else RewardModelSection(**section)
 
 
+def distill(config) -> DistillSection:
+  """The typed `distill.*` section."""
+  return config.distill if isinstance(config.distill, DistillSection) else DistillSection(**config.distill)
+
+
 def check_override_keys(key: str, overrides: dict) -> None:
   """Raises ValueError naming `<key>.<name>` for an override that is not a config key, with the closest names."""
   unknown = _unknown_keys(dict(overrides), PostTrainConfig)
@@ -299,14 +329,16 @@ def check_override_keys(key: str, overrides: dict) -> None:
     raise ValueError(f"Unknown config key {key}.{name}: {hint}")
 
 
-def reinitialize(config, **overrides) -> pyconfig.HyperParameters:
-  """The run's config initialised again from its argv with `overrides` on top, as MaxText builds its distillation
-  teacher from `teacher_overrides` (precedence: yml < command line < overrides); derived keys (emb_dim from
-  base_emb_dim, ...) follow the overrides."""
+def reinitialize(config, command_line: bool = True, **overrides) -> pyconfig.HyperParameters:
+  """The run's config initialised again from its argv with `overrides` on top (precedence: yml < command line <
+  overrides, as MaxText builds its distillation student from `student_overrides`); derived keys (emb_dim from
+  base_emb_dim, ...) follow the overrides. `command_line=False` leaves the command line's keys out (yml <
+  overrides), as MaxText builds its distillation teacher from `teacher_overrides`, so that keys meant for the student
+  do not reach the teacher."""
   argv = config._pydantic_config._argv  # pylint: disable=protected-access
   if not argv:
     raise ValueError("Role overrides need a config built by maxtext_posttrain.config.initialize (it keeps the argv).")
-  return initialize(argv, **overrides)
+  return _build(argv if command_line else argv[:2], overrides)
 
 
 def resolve_config_file(path: str) -> str:
@@ -402,10 +434,20 @@ def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
     argv = [argv[0], resolve_config_file(argv[1]), *argv[2:]]
     check_keys(argv[1], argv[2:])
   pathwaysutils.initialize()
-  config = pyconfig.initialize(argv, config_class=PostTrainConfig, **kwargs)
-  config._pydantic_config._argv = list(argv)  # pylint: disable=protected-access
-  train_utils.validate_train_config(config)
+  config = _build(argv, kwargs)
+  if config.posttrain_mode == "distill" and config.student_overrides:
+    # The run trains the student: MaxText's train_distill builds it from the argv with student_overrides on top.
+    check_override_keys("student_overrides", config.student_overrides)
+    config = _build(argv, {**kwargs, **config.student_overrides})
   jax.config.update("jax_use_shardy_partitioner", config.shardy)
   jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
   os.environ["TFDS_DATA_DIR"] = config.dataset_path or ""
+  return config
+
+
+def _build(argv: list[str], overrides: dict[str, Any]) -> pyconfig.HyperParameters:
+  """MaxText's config of `argv` with `overrides` on top, keeping the argv for role overrides."""
+  config = pyconfig.initialize(argv, config_class=PostTrainConfig, **overrides)
+  config._pydantic_config._argv = list(argv)  # pylint: disable=protected-access
+  train_utils.validate_train_config(config)
   return config

@@ -49,6 +49,8 @@ class RoleSpec:
     overrides_key: the config key the overrides come from (`critic_overrides`), named in errors; None: the run's.
     overrides: MaxText keys over the run's config: the `overrides_key` section plus the objective's own choices
       (e.g. `load_parameters_path` of a critic that starts from the reward model).
+    command_line: whether the run's command-line keys reach the role (yml < command line < overrides); False
+      (yml < overrides) is how MaxText builds its distillation teacher from `teacher_overrides`.
     in_step: frozen roles: passed into the jitted train and eval steps, where the loss reads them.
     loss: trained roles: `loss(model, batch, is_train, frozen) -> objectives.LossOutput`, `frozen` the in-step
       frozen roles' models by name (None where only the role's state is built, as by export).
@@ -59,6 +61,7 @@ class RoleSpec:
   head: Literal["lm", "scalar"] = "lm"
   overrides_key: str | None = None
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  command_line: bool = True
   in_step: bool = False
   loss: Callable | None = None
 
@@ -81,15 +84,15 @@ def reference(in_step: bool = False) -> RoleSpec:
 
 def role_config(config, spec: RoleSpec, primary: bool = True):
   """The MaxText config `spec` runs: the run's config, or the run's re-initialised with `spec.overrides` (MaxText's
-  precedence: yml < command line < overrides). A trained role other than the primary one checkpoints beside the
-  primary's `<run>/checkpoints`, in `<run>/<role>/checkpoints`, without the data iterator's state, which the
-  primary's checkpoints carry (MaxText saves it for dataset_type=grain; the role's config reads no data), and
-  without `lora.lora_restore_path`, whose adapters are the policy's."""
-  if not spec.overrides:
+  precedence: yml < command line < overrides, or yml < overrides without `spec.command_line`). A trained role other
+  than the primary one checkpoints beside the primary's `<run>/checkpoints`, in `<run>/<role>/checkpoints`, without
+  the data iterator's state, which the primary's checkpoints carry (MaxText saves it for dataset_type=grain; the
+  role's config reads no data), and without `lora.lora_restore_path`, whose adapters are the policy's."""
+  if not spec.overrides and spec.command_line:
     role = config
   else:
     config_lib.check_override_keys(spec.overrides_key or spec.name, spec.overrides)
-    role = config_lib.reinitialize(config, **spec.overrides)
+    role = config_lib.reinitialize(config, spec.command_line, **spec.overrides)
     check_same_tokens(config, role, f"{spec.name} ({spec.overrides_key})" if spec.overrides_key else spec.name)
   if spec.trained and not primary:
     role = config_lib.with_overrides(

@@ -52,9 +52,9 @@ def sft_checkpoint(sft_run):
 
 @pytest.fixture(scope="session")
 def deep_sft_checkpoint(tmp_path_factory, tfds_dir):
-  """Params of a seeded 200-step SFT run of the same config with run_utils.DEEP_SFT_LAYERS decoder layers: the reward model's
-  starting point (the 2-layer decoder's last-token score stays well under 90% held-out pair accuracy) and a teacher
-  deeper than the usual 2-layer student."""
+  """Params of a seeded 200-step SFT run of the same config with run_utils.DEEP_SFT_LAYERS decoder layers: the reward
+  model's starting point (the 2-layer decoder's last-token score stays well under 90% held-out pair accuracy) and a
+  teacher deeper than the usual 2-layer student."""
   from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
   from tests import run_utils  # pylint: disable=import-outside-toplevel
 

@@ -1,0 +1,154 @@
+"""Knowledge distillation: the student (the policy) trained on a frozen teacher's token distributions and the labels.
+
+`posttrain_mode=distill` (`distill.yml`) reads SFT's data with SFT's conventions (completion-only targets, packing)
+and MaxText's distillation keys, which keep their meaning. The teacher is a frozen role built as MaxText's
+`train_distill` builds it: the yml plus `teacher_overrides` (the command line's keys are the student's), typically a
+larger model with its own `load_parameters_path`, reading the student's tokens. The student is the run's config, with
+`student_overrides` on top. On every completion token of a batch:
+
+  loss = alpha * T^2 * D(teacher_T || student_T) + (1 - alpha) * CE(student, labels)
+
+with alpha = `distill_alpha` and T = `distill_temperature`, each annealed by its `*_end` / `*_schedule` over `steps`
+as in MaxText, and D = `distill.divergence`: forward KL (MaxText's), reverse KL or the generalized JSD with
+`distill.jsd_beta`. With `distill.top_k` the teacher is kept as its k most likely tokens plus their remaining mass.
+The teacher runs inside the jitted train and eval steps (its weights passed in, not donated); the schedules' values
+at the step reach the loss as batch arrays, as PPO's KL coefficient does, so one compiled step serves every step.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import forward
+from maxtext_posttrain import roles
+from maxtext_posttrain.losses import cross_entropy
+from maxtext_posttrain.losses import distillation
+from maxtext_posttrain.objectives.base import LossOutput, register
+from maxtext_posttrain.objectives.sft import SFT
+
+TEACHER = "teacher"
+ALPHA_KEY = "distill_alpha"
+TEMPERATURE_KEY = "distill_temperature"
+
+
+def check_config(config) -> None:
+  """Raises ValueError naming the key for distillation settings this objective cannot honour."""
+  if not config.teacher_overrides.get("load_parameters_path"):
+    raise ValueError(
+        "posttrain_mode=distill needs the teacher's weights: set teacher_overrides.load_parameters_path to a "
+        "checkpoint of the model that the yml plus teacher_overrides describe."
+    )
+  for key in (ALPHA_KEY, f"{ALPHA_KEY}_end"):
+    value = getattr(config, key)
+    if value is not None and not 0.0 <= value <= 1.0:
+      raise ValueError(f"{key}={value}: the soft term's weight must be in [0, 1].")
+  for key in (TEMPERATURE_KEY, f"{TEMPERATURE_KEY}_end"):
+    value = getattr(config, key)
+    if value is not None and value <= 0.0:
+      raise ValueError(f"{key}={value}: the temperature must be > 0.")
+  if config.distill_beta or config.distill_beta_end or config.distill_layer_indices:
+    raise ValueError(
+        "distill_beta / distill_layer_indices (feature and attention transfer) are not supported by "
+        "posttrain_mode=distill yet; leave distill_beta=0 and distill_layer_indices unset."
+    )
+  if config.offline_data_dir:
+    raise ValueError(
+        f"offline_data_dir={config.offline_data_dir}: offline teacher logits are not supported by "
+        "posttrain_mode=distill yet; the teacher runs online."
+    )
+  top_k = config_lib.distill(config).top_k
+  if top_k > config.vocab_size:
+    raise ValueError(f"distill.top_k={top_k} exceeds vocab_size={config.vocab_size}.")
+
+
+def teacher_role(config) -> roles.RoleSpec:
+  """The frozen teacher, read inside the jitted step: the yml plus `teacher_overrides`, as MaxText's train_distill."""
+  return roles.RoleSpec(
+      TEACHER,
+      trained=False,
+      overrides_key="teacher_overrides",
+      overrides=dict(config.teacher_overrides),
+      command_line=False,
+      in_step=True,
+  )
+
+
+def schedule_values(config, step: int) -> dict[str, float]:
+  """distill_alpha and distill_temperature at `step`, by MaxText's distill_*_end / distill_*_schedule keys."""
+  return {
+      key: float(
+          distillation.compute_schedule(
+              step, config.steps, getattr(config, key), getattr(config, f"{key}_end"), getattr(config, f"{key}_schedule")
+          )
+      )
+      for key in (ALPHA_KEY, TEMPERATURE_KEY)
+  }
+
+
+@register
+class Distill(SFT):
+  """`posttrain_mode=distill`: SFT's data and evaluation, with the teacher's soft targets mixed into the loss."""
+
+  name = "distill"
+  batch_keys = SFT.batch_keys + (ALPHA_KEY, TEMPERATURE_KEY)
+
+  def __init__(self, config):
+    super().__init__(config)
+    check_config(config)
+    self.section = config_lib.distill(config)
+    self.roles = (roles.policy(self.loss), teacher_role(config))
+
+  def _with_schedules(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`batch` plus the schedules' values at this step as [rows, 1] columns, sharded as the batch's tokens are (the
+    steps' data shardings are for [rows, length] arrays)."""
+    rows, sharding = batch["inputs"].shape[0], batch["inputs"].sharding
+    scheduled = {}
+    for key, value in schedule_values(self.config, loop.step).items():
+      column = np.full((rows, 1), value, np.float32)
+      scheduled[key] = jax.make_array_from_callback(column.shape, sharding, lambda index, column=column: column[index])
+    return batch | scheduled
+
+  def before_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return self._with_schedules(loop, batch)
+
+  def before_eval_step(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return self._with_schedules(loop, batch)
+
+  def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
+    inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    student_logits = forward.logits(model, *inputs, enable_dropout=self.config.enable_dropout and is_train)
+    teacher_logits = forward.logits(frozen[TEACHER], *inputs)
+    # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
+    mask = batch["targets_segmentation"] != 0
+    hard_total, weight, z_total = cross_entropy.token_cross_entropy(
+        student_logits, batch["targets"], mask, z_loss=self.config.z_loss_multiplier
+    )
+    alpha, temperature = jnp.mean(batch[ALPHA_KEY]), jnp.mean(batch[TEMPERATURE_KEY])
+    divergence, beta = self.section.divergence, self.section.jsd_beta
+    if self.section.top_k:
+      teacher = distillation.teacher_top_k(teacher_logits, self.section.top_k, temperature)
+      soft = distillation.sparse_logit_loss(student_logits, *teacher, mask, divergence, temperature, beta)
+    else:
+      soft = distillation.logit_loss(student_logits, teacher_logits, mask, divergence, temperature, beta)
+    total = alpha * soft.total + (1.0 - alpha) * hard_total
+    metrics = {
+        "ce": hard_total - z_total,
+        "z_loss": z_total,
+        "soft_loss": soft.total,
+        **soft.metrics,
+        ALPHA_KEY: alpha * weight,
+        TEMPERATURE_KEY: temperature * weight,
+    }
+    return LossOutput(total=total, weight=weight, metrics={k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+
+  def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
+    """The student's cross entropy on the labels, its divergence from the teacher, and how often their most likely
+    tokens agree."""
+    return {
+        "ce": float(scalars["learning/ce"]),
+        "divergence": float(scalars["learning/divergence"]),
+        "agreement": float(scalars["learning/top1_agreement"]),
+    }

@@ -1,0 +1,163 @@
+"""Distillation (posttrain_mode=distill): a 2-layer student learning from the session's 4-layer SFT teacher."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import forward
+from maxtext_posttrain import trainer
+from maxtext_posttrain.data import arithmetic
+from maxtext_posttrain.objectives import distill as distill_objective
+from maxtext_posttrain.objectives import sft as sft_objective
+from tests import run_utils
+
+DEEP = f"base_num_decoder_layers={run_utils.DEEP_SFT_LAYERS}"
+
+
+TRANSFER_SET = 128  # training problems the students see; the teacher learnt from the full 20,000
+
+
+@pytest.fixture(scope="module")
+def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
+  """The 2-layer student trained from random weights for 200 steps on a transfer set of TRANSFER_SET problems, once
+  by SFT and once distilled by the 4-layer SFT teacher with distill.yml's recipe; same data order, evaluated on the
+  held-out split (the TFDS test split's 500 problems, as JSONL)."""
+  out = tmp_path_factory.mktemp("distill")
+  for name, split, count in (("train", "train", TRANSFER_SET), ("test", "test", 500)):
+    with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(problem) + "\n" for problem in arithmetic.generate("easy", split, count, seed=0))
+  runs = {}
+  for yml in ("sft.yml", "distill.yml"):
+    name = yml.removesuffix(".yml")
+    argv = ["", yml, f"run_name={name}", f"base_output_directory={out}", "grain_file_type=jsonl"]
+    argv += [f"grain_train_files={out / 'train.jsonl'}", f"grain_eval_files={out / 'test.jsonl'}", "steps=200"]
+    argv += ["eval_interval=200", "eval_generation_examples=64", "enable_checkpointing=false"]
+    argv += [f"metrics_file={out / name}.jsonl"]
+    if name == "distill":
+      argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}"]
+    _, summary = run_utils.run(posttrain_config.initialize(argv))
+    runs[name] = {"eval": summary["evals"][200], "rows": run_utils.rows(out / f"{name}.jsonl")}
+  return runs
+
+
+def test_a_distilled_student_beats_the_same_student_trained_by_sft(transfer_runs):
+  """On a small transfer set the SFT student memorises its labels; the teacher's soft targets carry what the teacher
+  learnt from all the data, giving a lower held-out cross entropy and a higher greedy answer accuracy."""
+  sft, student = transfer_runs["sft"]["eval"], transfer_runs["distill"]["eval"]
+  print(f"held-out CE: SFT {sft['eval/loss']:.4f}, distilled {student['eval/ce']:.4f}; answer accuracy: SFT "
+        f"{sft['eval/answer_accuracy']:.3f}, distilled {student['eval/answer_accuracy']:.3f}")  # fmt: skip
+  assert student["eval/ce"] < 0.8 * sft["eval/loss"], (student, sft)
+  assert student["eval/answer_accuracy"] > sft["eval/answer_accuracy"], (student, sft)
+  rows = transfer_runs["distill"]["rows"]
+  assert rows[199]["learning/divergence"] < 0.1 * rows[0]["learning/divergence"], (rows[0], rows[199])
+
+
+def _loop(make_config, teacher, *overrides):
+  return trainer.setup(
+      make_config(f"teacher_overrides.load_parameters_path={teacher}", "enable_checkpointing=false", *overrides,
+                  config_file="distill.yml")
+  )  # fmt: skip
+
+
+def _models_and_batch(loop):
+  batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  teacher = loop.role(distill_objective.TEACHER)
+  return loop.policy(), nnx.merge(teacher.graphdef, teacher.state), batch
+
+
+def _numpy_log_softmax(logits):
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("alpha, temperature", [(0.3, 2.0), (1.0, 1.0), (0.0, 1.0)])
+def test_the_loss_mixes_the_teachers_soft_targets_and_the_labels(
+    make_config, deep_sft_checkpoint, sft_checkpoint, alpha, temperature
+):
+  """loss = alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE on the completion tokens, against numpy float64 on
+  the two models' logits; alpha = 0 is SFT's loss."""
+  loop = _loop(
+      make_config, deep_sft_checkpoint, f"load_parameters_path={sft_checkpoint}", f"distill_alpha={alpha}",
+      f"distill_temperature={temperature}",
+  )  # fmt: skip
+  student, teacher, batch = _models_and_batch(loop)
+  out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  student_logits, teacher_logits = (np.asarray(forward.logits(m, *inputs), np.float64) for m in (student, teacher))
+  mask = np.asarray(batch["targets_segmentation"]) != 0
+  log_q, log_p = _numpy_log_softmax(student_logits / temperature), _numpy_log_softmax(teacher_logits / temperature)
+  kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+  targets = np.asarray(batch["targets"])
+  ce = -np.take_along_axis(_numpy_log_softmax(student_logits), targets[..., None], -1)[..., 0]
+  expected = (alpha * temperature**2 * kl[mask].sum() + (1 - alpha) * ce[mask].sum()) / mask.sum()
+  np.testing.assert_allclose(float(out.total / out.weight), expected, rtol=1e-4)
+  np.testing.assert_allclose(float(out.metrics["ce"] / out.weight), ce[mask].mean(), rtol=1e-4)
+  if alpha == 0.0:
+    sft_out = sft_objective.SFT(loop.config).loss(student, batch, False)
+    np.testing.assert_allclose(float(out.total / out.weight), float(sft_out.total / sft_out.weight), rtol=1e-6)
+
+
+def test_a_teacher_equal_to_the_student_gives_no_soft_loss(make_config, sft_checkpoint):
+  loop = _loop(
+      make_config, sft_checkpoint, f"load_parameters_path={sft_checkpoint}", "teacher_overrides.base_num_decoder_layers=2"
+  )
+  student, teacher, batch = _models_and_batch(loop)
+  out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+  assert abs(float(out.metrics["divergence"] / out.weight)) < 1e-6
+  assert float(out.metrics["top1_agreement"] / out.weight) == 1.0
+
+
+def test_alpha_and_temperature_follow_maxtexts_schedules(make_config, deep_sft_checkpoint, tmp_path):
+  """distill_alpha 0.5 -> 0.1 linearly and distill_temperature 1 -> 3 by cosine over `steps`, as MaxText anneals them;
+  the values each step trained with are logged."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  loop = _loop(
+      make_config, deep_sft_checkpoint, "steps=4", "eval_interval=0", "per_device_batch_size=2",
+      "distill_alpha_end=0.1", "distill_alpha_schedule=linear", "distill_temperature_end=3.0",
+      "distill_temperature_schedule=cosine", f"metrics_file={metrics_file}",
+  )  # fmt: skip
+  trainer.train(loop)
+  rows = run_utils.rows(metrics_file)
+  for step in range(4):
+    np.testing.assert_allclose(rows[step]["learning/distill_alpha"], 0.5 - 0.4 * step / 4, rtol=1e-5)
+    np.testing.assert_allclose(rows[step]["learning/distill_temperature"], 2.0 - np.cos(np.pi * step / 4), rtol=1e-5)
+
+
+def test_command_line_keys_are_the_students_as_in_maxtext(make_config, deep_sft_checkpoint):
+  """MaxText's train_distill builds the teacher from the yml plus teacher_overrides and the student from the
+  command line plus student_overrides: a command-line model key changes the student only."""
+  loop = _loop(make_config, deep_sft_checkpoint, "base_mlp_dim=256", "student_overrides.base_num_decoder_layers=1")
+  teacher = loop.role(distill_objective.TEACHER).config
+  assert (loop.config.mlp_dim, loop.config.num_decoder_layers) == (256, 1)
+  assert (teacher.mlp_dim, teacher.num_decoder_layers) == (512, run_utils.DEEP_SFT_LAYERS)
+
+
+def test_bad_distillation_settings_fail_at_start_naming_them(make_config, deep_sft_checkpoint, sft_checkpoint):
+  with pytest.raises(ValueError, match=r"set teacher_overrides.load_parameters_path"):
+    trainer.setup(make_config(config_file="distill.yml"))
+  with pytest.raises(ValueError, match=r"Role teacher \(teacher_overrides\) reads other tokens than the policy: "
+                     r"vocab_size=1024 \(policy: 512\)"):  # fmt: skip
+    _loop(make_config, deep_sft_checkpoint, "teacher_overrides.vocab_size=1024")
+  with pytest.raises(ValueError, match=rf"Role teacher: the checkpoint at {sft_checkpoint} does not hold the weights"):
+    _loop(make_config, sft_checkpoint)  # a 2-layer checkpoint for the 4-layer teacher
+  with pytest.raises(ValueError, match=r"distill_alpha=1.5: the soft term's weight must be in \[0, 1\]"):
+    _loop(make_config, deep_sft_checkpoint, "distill_alpha=1.5")
+  with pytest.raises(ValueError, match=r"distill_beta / distill_layer_indices .* are not supported"):
+    _loop(make_config, deep_sft_checkpoint, "distill_beta=0.5")
+  with pytest.raises(ValueError, match=r"Unknown config key student_overrides.num_layerz"):
+    make_config(f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "student_overrides.num_layerz=1",
+                config_file="distill.yml")  # fmt: skip
+
+
+def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_dense_teacher(make_config, deep_sft_checkpoint):
+  losses = {}
+  for top_k in (0, 512):
+    loop = _loop(make_config, deep_sft_checkpoint, f"distill.top_k={top_k}", "distill.divergence=jsd")
+    student, teacher, batch = _models_and_batch(loop)
+    out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+    losses[top_k] = float(out.total / out.weight)
+  np.testing.assert_allclose(losses[512], losses[0], rtol=1e-5)
