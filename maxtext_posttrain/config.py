@@ -192,6 +192,13 @@ class DistillSection(pydantic.BaseModel):
       description="A sparse teacher: its top_k most likely tokens plus their remaining mass as one bucket (0: the "
       "whole distribution).",
   )
+  on_policy_fraction: float = Field(
+      0.0,
+      ge=0.0,
+      le=1.0,
+      description="posttrain_mode=distill_on_policy: the fraction of steps whose completions the student samples "
+      "(GKD's lambda); the others train on the dataset's reference completions. posttrain_mode=distill: 0.",
+  )
 
 
 class PostTrainConfig(types.MaxTextConfig):
@@ -435,7 +442,7 @@ def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
     check_keys(argv[1], argv[2:])
   pathwaysutils.initialize()
   config = _build(argv, kwargs)
-  if config.posttrain_mode == "distill" and config.student_overrides:
+  if config.posttrain_mode in ("distill", "distill_on_policy") and config.student_overrides:
     # The run trains the student: MaxText's train_distill builds it from the argv with student_overrides on top.
     check_override_keys("student_overrides", config.student_overrides)
     config = _build(argv, {**kwargs, **config.student_overrides})

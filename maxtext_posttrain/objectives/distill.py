@@ -88,6 +88,15 @@ def schedule_values(config, step: int) -> dict[str, float]:
   }
 
 
+def soft_loss(section, student_logits, teacher_logits, mask, temperature) -> distillation.DistillationLoss:
+  """T^2 x `section.divergence` of the student from the teacher (its top-k with `section.top_k`) on `mask`."""
+  divergence, beta = section.divergence, section.jsd_beta
+  if section.top_k:
+    teacher = distillation.teacher_top_k(teacher_logits, section.top_k, temperature)
+    return distillation.sparse_logit_loss(student_logits, *teacher, mask, divergence, temperature, beta)
+  return distillation.logit_loss(student_logits, teacher_logits, mask, divergence, temperature, beta)
+
+
 @register
 class Distill(SFT):
   """`posttrain_mode=distill`: SFT's data and evaluation, with the teacher's soft targets mixed into the loss."""
@@ -99,6 +108,11 @@ class Distill(SFT):
     super().__init__(config)
     check_config(config)
     self.section = config_lib.distill(config)
+    if self.section.on_policy_fraction:
+      raise ValueError(
+          f"distill.on_policy_fraction={self.section.on_policy_fraction}: posttrain_mode=distill trains on the "
+          "dataset's completions only; posttrain_mode=distill_on_policy samples the student's own."
+      )
     self.roles = (roles.policy(self.loss), teacher_role(config))
 
   def _with_schedules(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -127,12 +141,7 @@ class Distill(SFT):
         student_logits, batch["targets"], mask, z_loss=self.config.z_loss_multiplier
     )
     alpha, temperature = jnp.mean(batch[ALPHA_KEY]), jnp.mean(batch[TEMPERATURE_KEY])
-    divergence, beta = self.section.divergence, self.section.jsd_beta
-    if self.section.top_k:
-      teacher = distillation.teacher_top_k(teacher_logits, self.section.top_k, temperature)
-      soft = distillation.sparse_logit_loss(student_logits, *teacher, mask, divergence, temperature, beta)
-    else:
-      soft = distillation.logit_loss(student_logits, teacher_logits, mask, divergence, temperature, beta)
+    soft = soft_loss(self.section, student_logits, teacher_logits, mask, temperature)
     total = alpha * soft.total + (1.0 - alpha) * hard_total
     metrics = {
         "ce": hard_total - z_total,
