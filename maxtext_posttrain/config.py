@@ -112,6 +112,13 @@ class RL(types.RL):
   )
   overlong_penalty: float = Field(1.0, ge=0.0, description="The reward lost by a completion that uses the whole budget.")
   sampling_seed: int = Field(0, description="Seed of the rollout sampler; step t samples with fold_in(seed, t).")
+  teacher_kl_coef: float = Field(
+      0.0,
+      ge=0.0,
+      description="RL with a teacher (GRPO family, PPO): adds this times the per-token KL(policy || teacher) over the "
+      "vocabulary, on the completion tokens at the sampling temperature, to the policy loss; the teacher is the yml "
+      "plus teacher_overrides, as distillation's (0: off).",
+  )
 
 
 # posttrain_mode -> the rl.* values it stands for, applied to the keys a config does not set. Numbers from the papers:

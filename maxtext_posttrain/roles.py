@@ -36,6 +36,7 @@ from maxtext_posttrain.peft import lora
 
 POLICY = "policy"
 REFERENCE = "reference"
+TEACHER = "teacher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,21 @@ def policy(loss: Callable | None = None) -> RoleSpec:
 def reference(in_step: bool = False) -> RoleSpec:
   """The frozen starting policy (DPO's reference, RL's KL anchor)."""
   return RoleSpec(REFERENCE, trained=False, in_step=in_step)
+
+
+def teacher(config, needed_by: str) -> RoleSpec:
+  """The frozen teacher of distillation and of RL's KL-to-teacher term, read inside the jitted step: the yml plus
+  `teacher_overrides`, without the command line's keys (which are the student's), as MaxText's train_distill builds
+  it. `needed_by` names what asks for it in the error for a missing checkpoint."""
+  overrides = dict(config.teacher_overrides)
+  if not overrides.get("load_parameters_path"):
+    raise ValueError(
+        f"{needed_by} needs the teacher's weights: set teacher_overrides.load_parameters_path to a checkpoint of the "
+        "model that the yml plus teacher_overrides describe."
+    )
+  return RoleSpec(
+      TEACHER, trained=False, overrides_key="teacher_overrides", overrides=overrides, command_line=False, in_step=True
+  )
 
 
 def role_config(config, spec: RoleSpec, primary: bool = True):

@@ -8,9 +8,9 @@ from flax import nnx
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import forward
+from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
-from maxtext_posttrain.objectives import distill as distill_objective
 from maxtext_posttrain.objectives import sft as sft_objective
 from tests import run_utils
 
@@ -64,7 +64,7 @@ def _loop(make_config, teacher, *overrides):
 
 def _models_and_batch(loop):
   batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
-  teacher = loop.role(distill_objective.TEACHER)
+  teacher = loop.role(roles.TEACHER)
   return loop.policy(), nnx.merge(teacher.graphdef, teacher.state), batch
 
 
@@ -85,7 +85,7 @@ def test_the_loss_mixes_the_teachers_soft_targets_and_the_labels(
       f"distill_temperature={temperature}",
   )  # fmt: skip
   student, teacher, batch = _models_and_batch(loop)
-  out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+  out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   student_logits, teacher_logits = (np.asarray(forward.logits(m, *inputs), np.float64) for m in (student, teacher))
   mask = np.asarray(batch["targets_segmentation"]) != 0
@@ -106,7 +106,7 @@ def test_a_teacher_equal_to_the_student_gives_no_soft_loss(make_config, sft_chec
       make_config, sft_checkpoint, f"load_parameters_path={sft_checkpoint}", "teacher_overrides.base_num_decoder_layers=2"
   )
   student, teacher, batch = _models_and_batch(loop)
-  out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+  out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
   assert abs(float(out.metrics["divergence"] / out.weight)) < 1e-6
   assert float(out.metrics["top1_agreement"] / out.weight) == 1.0
 
@@ -131,7 +131,7 @@ def test_command_line_keys_are_the_students_as_in_maxtext(make_config, deep_sft_
   """MaxText's train_distill builds the teacher from the yml plus teacher_overrides and the student from the
   command line plus student_overrides: a command-line model key changes the student only."""
   loop = _loop(make_config, deep_sft_checkpoint, "base_mlp_dim=256", "student_overrides.base_num_decoder_layers=1")
-  teacher = loop.role(distill_objective.TEACHER).config
+  teacher = loop.role(roles.TEACHER).config
   assert (loop.config.mlp_dim, loop.config.num_decoder_layers) == (256, 1)
   assert (teacher.mlp_dim, teacher.num_decoder_layers) == (512, run_utils.DEEP_SFT_LAYERS)
 
@@ -158,6 +158,6 @@ def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_dense_teacher(make_confi
   for top_k in (0, 512):
     loop = _loop(make_config, deep_sft_checkpoint, f"distill.top_k={top_k}", "distill.divergence=jsd")
     student, teacher, batch = _models_and_batch(loop)
-    out = loop.objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+    out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
     losses[top_k] = float(out.total / out.weight)
   np.testing.assert_allclose(losses[512], losses[0], rtol=1e-5)

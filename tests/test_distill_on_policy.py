@@ -7,8 +7,8 @@ from flax import nnx
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import forward
+from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
-from maxtext_posttrain.objectives import distill as distill_objective
 from tests import run_utils
 
 LEARNING_STEPS = 100
@@ -65,9 +65,9 @@ def test_the_loss_is_the_divergence_on_the_students_samples(make_config, sft_che
   objective = loop.objective
   prompts = loop.train_batches.load_next_batch()
   batch = objective.before_step(loop, prompts)
-  teacher = loop.role(distill_objective.TEACHER)
+  teacher = loop.role(roles.TEACHER)
   student, teacher = loop.policy(), nnx.merge(teacher.graphdef, teacher.state)
-  out = objective.loss(student, batch, False, {distill_objective.TEACHER: teacher})
+  out = objective.loss(student, batch, False, {roles.TEACHER: teacher})
 
   inputs = (batch["inputs"], batch["positions"], batch["segmentation"])
   log_q, log_p = (_numpy_log_softmax(np.asarray(forward.logits(m, *inputs)) / temperature) for m in (student, teacher))

@@ -29,18 +29,12 @@ from maxtext_posttrain.losses import distillation
 from maxtext_posttrain.objectives.base import LossOutput, register
 from maxtext_posttrain.objectives.sft import SFT
 
-TEACHER = "teacher"
 ALPHA_KEY = "distill_alpha"
 TEMPERATURE_KEY = "distill_temperature"
 
 
 def check_config(config) -> None:
   """Raises ValueError naming the key for distillation settings this objective cannot honour."""
-  if not config.teacher_overrides.get("load_parameters_path"):
-    raise ValueError(
-        "posttrain_mode=distill needs the teacher's weights: set teacher_overrides.load_parameters_path to a "
-        "checkpoint of the model that the yml plus teacher_overrides describe."
-    )
   for key in (ALPHA_KEY, f"{ALPHA_KEY}_end"):
     value = getattr(config, key)
     if value is not None and not 0.0 <= value <= 1.0:
@@ -62,18 +56,6 @@ def check_config(config) -> None:
   top_k = config_lib.distill(config).top_k
   if top_k > config.vocab_size:
     raise ValueError(f"distill.top_k={top_k} exceeds vocab_size={config.vocab_size}.")
-
-
-def teacher_role(config) -> roles.RoleSpec:
-  """The frozen teacher, read inside the jitted step: the yml plus `teacher_overrides`, as MaxText's train_distill."""
-  return roles.RoleSpec(
-      TEACHER,
-      trained=False,
-      overrides_key="teacher_overrides",
-      overrides=dict(config.teacher_overrides),
-      command_line=False,
-      in_step=True,
-  )
 
 
 def schedule_values(config, step: int) -> dict[str, float]:
@@ -113,7 +95,7 @@ class Distill(SFT):
           f"distill.on_policy_fraction={self.section.on_policy_fraction}: posttrain_mode=distill trains on the "
           "dataset's completions only; posttrain_mode=distill_on_policy samples the student's own."
       )
-    self.roles = (roles.policy(self.loss), teacher_role(config))
+    self.roles = (roles.policy(self.loss), roles.teacher(config, f"posttrain_mode={self.name}"))
 
   def _with_schedules(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """`batch` plus the schedules' values at this step as [rows, 1] columns, sharded as the batch's tokens are (the
@@ -134,7 +116,7 @@ class Distill(SFT):
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     student_logits = forward.logits(model, *inputs, enable_dropout=self.config.enable_dropout and is_train)
-    teacher_logits = forward.logits(frozen[TEACHER], *inputs)
+    teacher_logits = forward.logits(frozen[roles.TEACHER], *inputs)
     # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
     mask = batch["targets_segmentation"] != 0
     hard_total, weight, z_total = cross_entropy.token_cross_entropy(

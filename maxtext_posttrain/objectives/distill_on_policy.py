@@ -29,6 +29,7 @@ import numpy as np
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 
 # Imported as a module, not from the package: the package's __init__ imports this module.
@@ -54,6 +55,7 @@ def check_config(config) -> None:
       "rl.num_iterations": rl.num_iterations != 1,
       "rl.dynamic_sampling": rl.dynamic_sampling,
       "rl.grpo_beta": rl.grpo_beta > 0,
+      "rl.teacher_kl_coef": rl.teacher_kl_coef > 0,
   }
   named = [key for key, on in unsupported.items() if on]
   if named:
@@ -74,7 +76,7 @@ class DistillOnPolicy(RLObjective):
     super().__init__(config, min_generations=1)
     check_config(config)
     self.section = config_lib.distill(config)
-    self.roles += (distill.teacher_role(config),)
+    self.roles += (roles.teacher(config, f"posttrain_mode={self.name}"),)
 
   def on_policy(self, step: int) -> bool:
     """Whether `step` trains on the student's samples: a draw of probability `distill.on_policy_fraction`, fixed by
@@ -117,7 +119,7 @@ class DistillOnPolicy(RLObjective):
     enable_dropout = self.config.enable_dropout and is_train
     # Only the ids the sampler can draw take part: a padded vocabulary's extra logits are no tokens.
     student_logits = forward.logits(model, *inputs, enable_dropout=enable_dropout)[..., : self.num_pieces]
-    teacher_logits = forward.logits(frozen[distill.TEACHER], *inputs)[..., : self.num_pieces]
+    teacher_logits = forward.logits(frozen[roles.TEACHER], *inputs)[..., : self.num_pieces]
     temperature = jnp.mean(batch[distill.TEMPERATURE_KEY])
     soft = distill.soft_loss(self.section, student_logits, teacher_logits, batch["completion_mask"], temperature)
     metrics = {"soft_loss": soft.total, **soft.metrics, distill.TEMPERATURE_KEY: temperature * soft.weight}

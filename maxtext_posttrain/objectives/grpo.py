@@ -160,7 +160,6 @@ class GRPO(RLObjective):
     return pipeline.global_batch(rows, config, loop.mesh)
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
-    del frozen
     config, rl = self.config, self.rl
     logps, logits = token_logps(
         model, batch, self.sampling.temperature, self.num_pieces, enable_dropout=config.enable_dropout and is_train
@@ -186,8 +185,9 @@ class GRPO(RLObjective):
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
-    metrics = out.metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
-    return LossOutput(out.total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, frozen, self.agg_mode)
+    metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
+    return LossOutput(out.total + teacher_total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
 
 
 def _preset(mode: str) -> type[GRPO]:

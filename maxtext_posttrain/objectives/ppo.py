@@ -254,8 +254,7 @@ class PPO(RLObjective):
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     """The policy's clipped surrogate on GAE advantages (plus the KL term under ppo.kl_penalty=loss, minus the
-    entropy bonus)."""
-    del frozen
+    entropy bonus, plus the KL to the teacher under rl.teacher_kl_coef)."""
     config, rl = self.config, self.rl
     logps, logits = token_logps(
         model, batch, self.sampling.temperature, self.num_pieces, config.enable_dropout and is_train
@@ -284,9 +283,10 @@ class PPO(RLObjective):
       total = (
           total - self.ppo.entropy_coef * policy_gradient.aggregate(entropy, mask, self.agg_mode, self.max_new_tokens)[0]
       )
+    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, frozen, self.agg_mode)
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
-    metrics = out.metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
-    return LossOutput(total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+    metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
+    return LossOutput(total + teacher_total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
 
   def critic_loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     """The clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old +- ppo.value_clip) - R)^2), per token."""

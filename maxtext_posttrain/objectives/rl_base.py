@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -24,6 +25,8 @@ from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.data import prompts as prompts_lib
+from maxtext_posttrain.losses import distillation
+from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.base import Objective, ObjectiveData
 from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import shaping
@@ -160,6 +163,8 @@ class RLObjective(Objective):
     self.reward_model_weight = dict(zip(rl.rewards, weights)).get(REWARD_MODEL)
     if self.reward_model_weight is not None:
       self.roles += (reward_model_role(config),)
+    if rl.teacher_kl_coef > 0:
+      self.roles += (roles.teacher(config, f"rl.teacher_kl_coef={rl.teacher_kl_coef}"),)
     self.encoder = pipeline.Encoder.from_config(config)
     self.num_pieces = self.encoder.num_pieces  # ids the sampler can draw; the loss scores the same distribution
     self.train_prompts = self.eval_prompts = None
@@ -246,6 +251,21 @@ class RLObjective(Objective):
   def target_logps(self, model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
     """[N, L] log-probs of the targets under a model of the policy's kind: the reference's, or the old policy's."""
     return token_logps(model, batch, temperature, self.num_pieces)[0]
+
+  def teacher_kl(
+      self, logits: jax.Array, batch: dict[str, jax.Array], frozen, agg_mode: str
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(`rl.teacher_kl_coef` x the aggregated per-token KL(policy || teacher), {"teacher_kl": its token-mean or
+    sequence-mean numerator}) on the completion tokens; (0, {}) without the term. `logits` are the policy's, tempered
+    and masked as `token_logps` gives them; the teacher's are treated alike, so both are the sampled distributions."""
+    if not self.rl.teacher_kl_coef:
+      return jnp.zeros((), jnp.float32), {}
+    teacher = token_logps(frozen[roles.TEACHER], batch, self.sampling.temperature, self.num_pieces)[1]
+    kl = distillation.token_divergence(logits, teacher, "reverse_kl")
+    mask = batch["completion_mask"]
+    total = policy_gradient.aggregate(kl, mask, agg_mode, self.max_new_tokens)[0]
+    mean_mode = "token-mean" if agg_mode == "token-mean" else "seq-mean-token-mean"
+    return self.rl.teacher_kl_coef * total, {"teacher_kl": policy_gradient.aggregate(kl, mask, mean_mode)[0]}
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
     """The rollouts' mean shaped reward (absent on steps that sample none), and the KL to the reference when the
