@@ -11,6 +11,7 @@ from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
+from maxtext_posttrain.objectives import distill as distill_objective
 from maxtext_posttrain.objectives import sft as sft_objective
 from tests import run_utils
 
@@ -68,6 +69,31 @@ def _models_and_batch(loop):
   return loop.policy(), nnx.merge(teacher.graphdef, teacher.state), batch
 
 
+@pytest.fixture(scope="module")
+def sft_student(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint):
+  """(loop, a raw SFT batch) of the 2-layer SFT student with the 4-layer teacher; tests take variants of its objective
+  (`_objective`) rather than building the models again."""
+  argv = ["", "distill.yml", "run_name=loss", f"base_output_directory={tmp_path_factory.mktemp('loss')}"]
+  argv += [f"dataset_path={tfds_dir}", f"load_parameters_path={sft_checkpoint}", "enable_checkpointing=false"]
+  argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}"]
+  loop = trainer.setup(posttrain_config.initialize(argv))
+  return loop, loop.train_batches.load_next_batch()
+
+
+def _objective(loop, **update):
+  """The distillation objective of `loop`'s config with `update` (keys of its own, e.g. distill_alpha)."""
+  return distill_objective.Distill(posttrain_config.with_overrides(loop.config, **update))
+
+
+def _loss(sft_student, objective):
+  """(loss output, the batch with the objective's schedule columns, student, teacher) on the fixture's batch."""
+  loop, raw = sft_student
+  batch = objective.before_step(loop, raw)
+  teacher = loop.role(roles.TEACHER)
+  student, teacher = loop.policy(), nnx.merge(teacher.graphdef, teacher.state)
+  return objective.loss(student, batch, False, {roles.TEACHER: teacher}), batch, student, teacher
+
+
 def _numpy_log_softmax(logits):
   logits = np.asarray(logits, np.float64)
   shifted = logits - logits.max(-1, keepdims=True)
@@ -75,17 +101,11 @@ def _numpy_log_softmax(logits):
 
 
 @pytest.mark.parametrize("alpha, temperature", [(0.3, 2.0), (1.0, 1.0), (0.0, 1.0)])
-def test_the_loss_mixes_the_teachers_soft_targets_and_the_labels(
-    make_config, deep_sft_checkpoint, sft_checkpoint, alpha, temperature
-):
+def test_the_loss_mixes_the_teachers_soft_targets_and_the_labels(sft_student, alpha, temperature):
   """loss = alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE on the completion tokens, against numpy float64 on
   the two models' logits; alpha = 0 is SFT's loss."""
-  loop = _loop(
-      make_config, deep_sft_checkpoint, f"load_parameters_path={sft_checkpoint}", f"distill_alpha={alpha}",
-      f"distill_temperature={temperature}",
-  )  # fmt: skip
-  student, teacher, batch = _models_and_batch(loop)
-  out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
+  objective = _objective(sft_student[0], distill_alpha=alpha, distill_temperature=temperature)
+  out, batch, student, teacher = _loss(sft_student, objective)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   student_logits, teacher_logits = (np.asarray(forward.logits(m, *inputs), np.float64) for m in (student, teacher))
   mask = np.asarray(batch["targets_segmentation"]) != 0
@@ -97,7 +117,7 @@ def test_the_loss_mixes_the_teachers_soft_targets_and_the_labels(
   np.testing.assert_allclose(float(out.total / out.weight), expected, rtol=1e-4)
   np.testing.assert_allclose(float(out.metrics["ce"] / out.weight), ce[mask].mean(), rtol=1e-4)
   if alpha == 0.0:
-    sft_out = sft_objective.SFT(loop.config).loss(student, batch, False)
+    sft_out = sft_objective.SFT(sft_student[0].config).loss(student, batch, False)
     np.testing.assert_allclose(float(out.total / out.weight), float(sft_out.total / sft_out.weight), rtol=1e-6)
 
 
@@ -130,9 +150,12 @@ def test_alpha_and_temperature_follow_maxtexts_schedules(make_config, deep_sft_c
 def test_command_line_keys_are_the_students_as_in_maxtext(make_config, deep_sft_checkpoint):
   """MaxText's train_distill builds the teacher from the yml plus teacher_overrides and the student from the
   command line plus student_overrides: a command-line model key changes the student only."""
-  loop = _loop(make_config, deep_sft_checkpoint, "base_mlp_dim=256", "student_overrides.base_num_decoder_layers=1")
-  teacher = loop.role(roles.TEACHER).config
-  assert (loop.config.mlp_dim, loop.config.num_decoder_layers) == (256, 1)
+  config = make_config(
+      f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "base_mlp_dim=256",
+      "student_overrides.base_num_decoder_layers=1", config_file="distill.yml",
+  )  # fmt: skip
+  teacher = roles.role_config(config, roles.teacher(config, "this test"))
+  assert (config.mlp_dim, config.num_decoder_layers) == (256, 1)
   assert (teacher.mlp_dim, teacher.num_decoder_layers) == (512, run_utils.DEEP_SFT_LAYERS)
 
 
@@ -153,11 +176,43 @@ def test_bad_distillation_settings_fail_at_start_naming_them(make_config, deep_s
                 config_file="distill.yml")  # fmt: skip
 
 
-def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_dense_teacher(make_config, deep_sft_checkpoint):
+def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_dense_teacher(sft_student):
   losses = {}
   for top_k in (0, 512):
-    loop = _loop(make_config, deep_sft_checkpoint, f"distill.top_k={top_k}", "distill.divergence=jsd")
-    student, teacher, batch = _models_and_batch(loop)
-    out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
+    section = posttrain_config.DistillSection(divergence="jsd", top_k=top_k)
+    out = _loss(sft_student, _objective(sft_student[0], distill=section))[0]
     losses[top_k] = float(out.total / out.weight)
   np.testing.assert_allclose(losses[512], losses[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("config_file", ["distill.yml", "distill_on_policy.yml"])
+def test_a_resumed_distillation_repeats_the_uninterrupted_one(
+    make_config, tmp_path, sft_checkpoint, deep_sft_checkpoint, config_file
+):
+  """Killed after step 3 and resumed from step 2's checkpoint: the student, its optimizer, the data order and
+  (on-policy) the draws of on-policy steps and their samples come back, so every step's loss and divergence equal the
+  uninterrupted run's. (The death is a run with steps=4; alpha and T stay constant here because their schedules run
+  over `steps`, which that changes; a schedule's value is a function of the restored step, as its own test shows.)"""
+  common = (f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "per_device_batch_size=2")
+  common += ("checkpoint_period=2", "async_checkpointing=false", "eval_interval=0", "learning_rate=1e-3")
+  common += ("learning_rate_schedule_steps=6", "distill_temperature=2.0")
+  if config_file == "distill_on_policy.yml":  # steps 2 and 5 of 0..5 are on-policy
+    common += (f"load_parameters_path={sft_checkpoint}", "distill.on_policy_fraction=0.5", "rl.num_generations=2")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(
+        make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=config_file)
+    )
+    return run_utils.rows(metrics_file)
+
+  full = run("full", "steps=6")
+  run("split", "steps=4", "save_checkpoint_on_completion=false")  # dies after step 3; its last checkpoint is step 2's
+  split = run("split", "steps=6")
+  assert sorted(split) == sorted(full) == list(range(6))
+  keys = ["learning/loss", "learning/divergence"]
+  if config_file == "distill_on_policy.yml":
+    keys.append("distill/on_policy")
+    assert [full[s]["distill/on_policy"] for s in range(6)] == [0, 0, 1, 0, 0, 1]
+  for key in keys:
+    assert [split[s][key] for s in range(6)] == [full[s][key] for s in range(6)], key

@@ -54,15 +54,27 @@ def test_on_policy_distillation_lowers_the_reverse_kl_on_the_students_own_sample
   assert last < 0.6 * first, (first, last)
 
 
-def test_the_loss_is_the_divergence_on_the_students_samples(make_config, sft_checkpoint, deep_sft_checkpoint):
+TEMPERATURE, BETA = 2.0, 0.3
+
+
+@pytest.fixture(scope="module")
+def half_on_policy(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint):
+  """A loop of GKD's lambda 0.5 with the JSD at BETA and T = TEMPERATURE, built once for the tests that take steps by
+  hand."""
+  argv = ["", "distill_on_policy.yml", "run_name=half", f"base_output_directory={tmp_path_factory.mktemp('half')}"]
+  argv += [f"dataset_path={tfds_dir}", f"load_parameters_path={sft_checkpoint}", "enable_checkpointing=false"]
+  argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "per_device_batch_size=4"]
+  argv += ["distill.on_policy_fraction=0.5", "distill.divergence=jsd", f"distill.jsd_beta={BETA}"]
+  argv += [f"distill_temperature={TEMPERATURE}"]
+  return trainer.setup(posttrain_config.initialize(argv))
+
+
+def test_the_loss_is_the_divergence_on_the_students_samples(half_on_policy):
   """T^2 JSD_beta(teacher_T || student_T) on the sampled completion tokens only, against numpy float64 on the two
   models' logits; the rows hold each prompt (as the sampler saw it) followed by the completion it sampled."""
-  temperature, beta = 2.0, 0.3
-  loop = _loop(
-      make_config, sft_checkpoint, deep_sft_checkpoint, "distill.divergence=jsd", f"distill.jsd_beta={beta}",
-      f"distill_temperature={temperature}",
-  )  # fmt: skip
+  temperature, beta, loop = TEMPERATURE, BETA, half_on_policy
   objective = loop.objective
+  loop.step = [objective.on_policy(step) for step in range(10)].index(True)
   prompts = loop.train_batches.load_next_batch()
   batch = objective.before_step(loop, prompts)
   teacher = loop.role(roles.TEACHER)
@@ -87,10 +99,10 @@ def test_the_loss_is_the_divergence_on_the_students_samples(make_config, sft_che
     assert targets[row, len(prompt) - 1] == inputs[row, len(prompt)]  # the first sampled token
 
 
-def test_off_policy_steps_train_on_the_reference_completions(make_config, sft_checkpoint, deep_sft_checkpoint):
+def test_off_policy_steps_train_on_the_reference_completions(half_on_policy):
   """distill.on_policy_fraction is GKD's lambda: a seeded draw per step decides; the other steps' rows are the
   prompts followed by their answer column, nothing sampled."""
-  loop = _loop(make_config, sft_checkpoint, deep_sft_checkpoint, "distill.on_policy_fraction=0.5")
+  loop = half_on_policy
   objective = loop.objective
   draws = [objective.on_policy(step) for step in range(200)]
   assert draws == [objective.on_policy(step) for step in range(200)]  # fixed by the seed and the step

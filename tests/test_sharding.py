@@ -1,4 +1,5 @@
-"""The same steps on 1 device and on 4 fake CPU devices agree: SFT (fsdp x tensor, and MaxText's pipeline) and GRPO."""
+"""The same steps on 1 device and on 4 fake CPU devices agree: SFT (fsdp x tensor, and MaxText's pipeline), GRPO, PPO
+and distillation (off- and on-policy)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import numpy as np
 
 from tests import paths
+from tests import multidevice_distill
 from tests import multidevice_losses
 from tests import multidevice_rl
 
@@ -69,3 +71,19 @@ def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   for key in ("losses", "value_losses", "kl", "explained_variance"):
     np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(
+    tmp_path, tfds_dir, sft_checkpoint, deep_sft_checkpoint
+):
+  """distill.yml (a moving alpha, T 2) and distill_on_policy.yml (on- and off-policy steps) with the 4-layer teacher
+  read inside the step, on 4 fake devices (fsdp 2 x tensor 2) against one: the losses and divergences match."""
+  paths_ = [str(tmp_path), str(tfds_dir), str(sft_checkpoint), str(deep_sft_checkpoint)]
+  single = [multidevice_distill.run(*paths_, ["per_device_batch_size=4"], c) for c in multidevice_distill.CONFIGS]
+  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+  sharded = _on_four_fake_devices("multidevice_distill.py", *paths_, json.dumps(layout))
+  assert [r["config"] for r in sharded] == list(multidevice_distill.CONFIGS)
+  for one, four in zip(single, sharded):
+    assert four["mesh"]["fsdp"] == 2 and four["mesh"]["tensor"] == 2 and len(one["losses"]) == 3
+    for key in ("losses", "divergence"):
+      np.testing.assert_allclose(four[key], one[key], rtol=1e-4, atol=1e-6, err_msg=f"{one['config']} {key}")

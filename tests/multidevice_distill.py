@@ -1,0 +1,51 @@
+"""Prints the per-step losses of short distillation runs (distill.yml and distill_on_policy.yml); run in a subprocess
+with fake CPU devices.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_distill.py OUT_DIR TFDS_DIR \\
+      STUDENT TEACHER '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]'
+
+Prints one JSON line per config: {"config": ..., "mesh": {...}, "losses": [...], "divergence": [...]}.
+"""
+
+import json
+import pathlib
+import sys
+
+from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import trainer
+
+STEPS = 3
+# The same global batch on every layout (4 rows), a learning rate that moves the student, and a moving alpha.
+RUN = (
+    "enable_checkpointing=false", "eval_interval=0", f"steps={STEPS}", "learning_rate=1e-3",
+    "learning_rate_schedule_steps=8", "warmup_steps_fraction=0",
+)  # fmt: skip
+CONFIGS = {
+    "distill.yml": ("distill_alpha_end=0.1", "distill_alpha_schedule=linear", "distill_temperature=2.0"),
+    "distill_on_policy.yml": ("distill.on_policy_fraction=0.5", "rl.num_generations=2"),
+}
+
+
+def run(out_dir: str, tfds_dir: str, student: str, teacher: str, layout: list[str], config_file: str) -> dict:
+  name = f"{config_file.removesuffix('.yml')}_{len(layout)}"
+  metrics_file = pathlib.Path(out_dir) / f"{name}.jsonl"
+  argv = ["", config_file, f"run_name={name}", f"base_output_directory={out_dir}", f"dataset_path={tfds_dir}"]
+  argv += [f"metrics_file={metrics_file}", f"teacher_overrides.load_parameters_path={teacher}", *RUN]
+  argv += [*CONFIGS[config_file], *layout]
+  if config_file == "distill_on_policy.yml":
+    argv.append(f"load_parameters_path={student}")  # samples of a student that can answer
+  loop = trainer.setup(posttrain_config.initialize(argv))
+  trainer.train(loop)
+  rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+  rows = [row for row in rows if "learning/loss" in row]
+  return {
+      "config": config_file,
+      "mesh": dict(loop.mesh.shape),
+      "losses": [row["learning/loss"] for row in rows],
+      "divergence": [row["learning/divergence"] for row in rows],
+  }
+
+
+if __name__ == "__main__":
+  for config in CONFIGS:
+    print(json.dumps(run(*sys.argv[1:5], json.loads(sys.argv[5]), config)), flush=True)
