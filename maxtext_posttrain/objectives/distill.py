@@ -46,12 +46,12 @@ def check_config(config) -> None:
   if config.distill_beta or config.distill_beta_end or config.distill_layer_indices:
     raise ValueError(
         "distill_beta / distill_layer_indices (feature and attention transfer) are not supported by "
-        "posttrain_mode=distill yet; leave distill_beta=0 and distill_layer_indices unset."
+        f"posttrain_mode={config.posttrain_mode} yet; leave distill_beta=0 and distill_layer_indices unset."
     )
   if config.offline_data_dir:
     raise ValueError(
         f"offline_data_dir={config.offline_data_dir}: offline teacher logits are not supported by "
-        "posttrain_mode=distill yet; the teacher runs online."
+        f"posttrain_mode={config.posttrain_mode} yet; the teacher runs online."
     )
   top_k = config_lib.distill(config).top_k
   if top_k > config.vocab_size:

@@ -81,10 +81,7 @@ class DistillOnPolicy(RLObjective):
   def on_policy(self, step: int) -> bool:
     """Whether `step` trains on the student's samples: a draw of probability `distill.on_policy_fraction`, fixed by
     `rl.sampling_seed` and the step."""
-    fraction = self.section.on_policy_fraction
-    return fraction == 1.0 or (
-        fraction > 0.0 and np.random.default_rng([self.rl.sampling_seed, step]).random() < fraction
-    )
+    return bool(np.random.default_rng([self.rl.sampling_seed, step]).random() < self.section.on_policy_fraction)
 
   def before_step(self, loop, batch):
     timer = time.perf_counter()
@@ -97,8 +94,7 @@ class DistillOnPolicy(RLObjective):
       metrics |= {"rl/reward_mean": float(out.rewards.mean()), "rl/reward_errors": self.reward_errors()}
     else:
       prompts, completions = self.reference_completions(indices)
-    rows = training_rows(prompts, completions, [np.zeros(len(c)) for c in completions], self.config.max_target_length)
-    del rows["old_logps"]
+    rows = training_rows(prompts, completions, None, self.config.max_target_length)
     temperature = distill.schedule_values(self.config, loop.step)[distill.TEMPERATURE_KEY]
     rows[distill.TEMPERATURE_KEY] = np.full(rows["inputs"].shape, temperature, np.float32)
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer

@@ -36,16 +36,20 @@ REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and
 
 
 def training_rows(
-    prompts: list[list[int]], completions: list[list[int]], logprobs: list[np.ndarray], length: int
+    prompts: list[list[int]], completions: list[list[int]], logprobs: list[np.ndarray] | None, length: int
 ) -> dict[str, np.ndarray]:
   """[N, length] rows of prompt + completion, next-token shifted, with the sampler's log-probs on the targets.
 
   Row i holds prompt_i + completion_i without its last token as inputs; `completion_mask` is 1 where the target is
-  a completion token, and `old_logps` there is the sampler's log-prob of that token. Padding has segment id 0.
+  a completion token, and `old_logps` there is the sampler's log-prob of that token (no `old_logps` without
+  `logprobs`: completions nobody sampled). Padding has segment id 0.
   """
   rows = {key: np.zeros((len(prompts), length), np.int32) for key in ROW_KEYS[:5]}
-  rows["old_logps"] = np.zeros((len(prompts), length), np.float32)
-  for i, (prompt, completion, logps) in enumerate(zip(prompts, completions, logprobs, strict=True)):
+  if logprobs is not None:
+    if len(logprobs) != len(prompts):
+      raise ValueError(f"{len(logprobs)} log-prob arrays for {len(prompts)} rows.")
+    rows["old_logps"] = np.zeros((len(prompts), length), np.float32)
+  for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
     sequence = list(prompt) + list(completion)
     if len(sequence) > length + 1:
       raise ValueError(f"Row {i}: {len(sequence)} tokens do not fit in {length} + 1.")
@@ -56,7 +60,8 @@ def training_rows(
     rows["segmentation"][i, :n] = 1
     start = len(prompt) - 1
     rows["completion_mask"][i, start : start + len(completion)] = 1
-    rows["old_logps"][i, start : start + len(completion)] = logps[: len(completion)]
+    if logprobs is not None:
+      rows["old_logps"][i, start : start + len(completion)] = logprobs[i][: len(completion)]
   return rows
 
 
