@@ -264,20 +264,41 @@ def check_supported(config):
     raise ValueError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain pipelines.")
 
 
-def make_sft_iterators(config, mesh):
+@dataclasses.dataclass(frozen=True)
+class _KeepKeys(grain.MapTransform):
+  keys: frozenset
+
+  def map(self, element):
+    return {k: v for k, v in element.items() if k in self.keys}
+
+
+SFT_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")
+
+
+def make_sft_iterators(config, mesh, join=None, columns: tuple[str, ...] = ()):
   """(train_iterator, eval_iterator or None, DataStats). Eval is built when `config.eval_interval > 0`; it is not
-  shuffled or repeated, and restarts from its first batch at every eval, so each eval sees the same batches."""
+  shuffled or repeated, and restarts from its first batch at every eval, so each eval sees the same batches.
+
+  `join(examples, split, stats)` (split "train" or "eval") may return a source whose examples carry per-token
+  `columns` beside inputs and targets ([length, ...] arrays: offline teacher logits); they are packed or padded
+  with the tokens and are not shifted (position j's column belongs to input j)."""
   check_supported(config)
   encoder = Encoder.from_config(config)
   train_examples, train_stats = prepare_split(config, True, encoder)
   eval_examples, eval_stats = prepare_split(config, False, encoder) if config.eval_interval > 0 else (None, None)
   stats = DataStats(train=train_stats, eval=eval_stats)
   max_logging.log(f"SFT data: {stats.to_dict()}")
+  if join is not None:
+    train_examples = join(train_examples, "train", train_stats)
+    eval_examples = join(eval_examples, "eval", eval_stats) if eval_examples else None
+  # Packing adds `<column>_segment_ids` / `_positions` for every column; only the tokens' are kept.
+  keep = SFT_KEYS + columns
 
   def batch(dataset, batch_size):
-    return data_processing_utils.format_and_batch(
-        dataset, config, batch_size, encoder.pad_id, ("inputs", "targets"), encoder.tokenizer
+    dataset = data_processing_utils.format_and_batch(
+        dataset, config, batch_size, encoder.pad_id, ("inputs", "targets") + columns, encoder.tokenizer
     )
+    return dataset.map(_KeepKeys(frozenset(keep))) if columns else dataset
 
   train_iterator = host_iterator(train_examples, batch, config, mesh, train=True)
   eval_iterator = host_iterator(eval_examples, batch, config, mesh, train=False) if eval_examples else None

@@ -13,8 +13,13 @@ as in MaxText, and D = `distill.divergence`: forward KL (MaxText's), reverse KL 
 `distill.jsd_beta`. With `distill.top_k` the teacher is kept as its k most likely tokens plus their remaining mass.
 The teacher runs inside the jitted train and eval steps (its weights passed in, not donated); the schedules' values
 at the step reach the loss as batch arrays, as PPO's KL coefficient does, so one compiled step serves every step.
+
+With MaxText's `offline_data_dir` the teacher is not built at all: its top-k distribution at every distilled token
+was written once by `python -m maxtext_posttrain.score_teacher` (`data.teacher_logits`) and comes with each batch,
+packed with its tokens; the loss is then the online top-k loss on the same numbers.
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -24,9 +29,11 @@ import numpy as np
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import roles
+from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.data import teacher_logits
 from maxtext_posttrain.losses import cross_entropy
 from maxtext_posttrain.losses import distillation
-from maxtext_posttrain.objectives.base import LossOutput, register
+from maxtext_posttrain.objectives.base import LossOutput, ObjectiveData, register
 from maxtext_posttrain.objectives.sft import SFT
 
 ALPHA_KEY = "distill_alpha"
@@ -48,10 +55,10 @@ def check_config(config) -> None:
         "distill_beta / distill_layer_indices (feature and attention transfer) are not supported by "
         f"posttrain_mode={config.posttrain_mode} yet; leave distill_beta=0 and distill_layer_indices unset."
     )
-  if config.offline_data_dir:
+  if config.offline_data_dir and config.posttrain_mode != "distill":
     raise ValueError(
-        f"offline_data_dir={config.offline_data_dir}: offline teacher logits are not supported by "
-        f"posttrain_mode={config.posttrain_mode} yet; the teacher runs online."
+        f"offline_data_dir={config.offline_data_dir}: offline teacher files serve posttrain_mode=distill; "
+        f"posttrain_mode={config.posttrain_mode} scores samples nobody has seen, with the teacher online."
     )
   top_k = config_lib.distill(config).top_k
   if top_k > config.vocab_size:
@@ -95,7 +102,19 @@ class Distill(SFT):
           f"distill.on_policy_fraction={self.section.on_policy_fraction}: posttrain_mode=distill trains on the "
           "dataset's completions only; posttrain_mode=distill_on_policy samples the student's own."
       )
-    self.roles = (roles.policy(self.loss), roles.teacher(config, f"posttrain_mode={self.name}"))
+    self.offline = bool(config.offline_data_dir)
+    if self.offline:
+      self.batch_keys = self.batch_keys + teacher_logits.COLUMNS
+      self.roles = (roles.policy(self.loss),)
+    else:
+      self.roles = (roles.policy(self.loss), roles.teacher(config, f"posttrain_mode={self.name}"))
+
+  def make_data(self, mesh) -> ObjectiveData:
+    if not self.offline:
+      return super().make_data(mesh)
+    join = functools.partial(teacher_logits.with_teacher, self.config)
+    train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh, join, teacher_logits.COLUMNS)
+    return ObjectiveData(train=train, eval=evaluation, description=stats.to_dict())
 
   def _with_schedules(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """`batch` plus the schedules' values at this step as [rows, 1] columns, sharded as the batch's tokens are (the
@@ -116,14 +135,19 @@ class Distill(SFT):
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     student_logits = forward.logits(model, *inputs, enable_dropout=self.config.enable_dropout and is_train)
-    teacher_logits = forward.logits(frozen[roles.TEACHER], *inputs)
     # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
     mask = batch["targets_segmentation"] != 0
     hard_total, weight, z_total = cross_entropy.token_cross_entropy(
         student_logits, batch["targets"], mask, z_loss=self.config.z_loss_multiplier
     )
     alpha, temperature = jnp.mean(batch[ALPHA_KEY]), jnp.mean(batch[TEMPERATURE_KEY])
-    soft = soft_loss(self.section, student_logits, teacher_logits, mask, temperature)
+    if self.offline:
+      teacher = tuple(batch[key] for key in teacher_logits.COLUMNS)
+      soft = distillation.sparse_logit_loss(
+          student_logits, *teacher, mask, self.section.divergence, temperature, self.section.jsd_beta
+      )
+    else:
+      soft = soft_loss(self.section, student_logits, forward.logits(frozen[roles.TEACHER], *inputs), mask, temperature)
     total = alpha * soft.total + (1.0 - alpha) * hard_total
     metrics = {
         "ce": hard_total - z_total,

@@ -17,14 +17,7 @@ class SFT(Objective):
   """`posttrain_mode=sft`: MaxText's SFT data conventions (`sft_train_on_completion_only`, `packing`)."""
 
   name = "sft"
-  batch_keys = (
-      "inputs",
-      "inputs_position",
-      "inputs_segmentation",
-      "targets",
-      "targets_position",
-      "targets_segmentation",
-  )
+  batch_keys = pipeline.SFT_KEYS
 
   def make_data(self, mesh) -> ObjectiveData:
     train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh)
