@@ -3,11 +3,15 @@
 import json
 
 from benchmarks import decode
+from benchmarks import distill_vs_pretrain
 from benchmarks import dpo_vs_pretrain
 from benchmarks import grpo_vs_pretrain
+from benchmarks import harness
 from benchmarks import ppo_vs_pretrain
 from benchmarks import peft_memory
 from benchmarks import sft_vs_pretrain
+from maxtext.utils import maxtext_utils
+from maxtext_posttrain import config as posttrain_config
 
 
 def test_sft_vs_pretrain_writes_a_row(tmp_path, tfds_dir, capsys):
@@ -88,3 +92,24 @@ def test_ppo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_pat
   # One program over both roles, against the loop's two: timed, and XLA's scratch bytes of each program.
   assert row["fused_vs_separate"] == row["fused_train_time_s"] / row["separate_train_time_s"] > 0
   assert 0 < max(row["policy_temp_bytes"], row["critic_temp_bytes"]) <= row["fused_temp_bytes"], row
+
+
+def test_distill_vs_pretrain_times_dense_and_top_k_steps_against_the_flops_prediction(tmp_path, tfds_dir):
+  """The teacher is the student with twice its decoder layers, from a checkpoint of its seeded initialisation; the
+  prediction is 1 + teacher / (3 x student), by MaxText's training TFLOPs of the two configs built here."""
+  output = tmp_path / "distill.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=128"]
+  distill_vs_pretrain.main(["", "--repeats=1", "--top_k=8", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
+  (row,) = json.loads(output.read_text())
+  assert row["objective"] == "distill (forward_kl, teacher 2 layers, student 1)" and row["top_k"] == 8
+  assert [len(row["step_times_s"][name]) for name in ("distill", "top_k", "pretrain")] == [1, 1, 1]
+  timed = ("step_time_s", "pretrain_step_time_s", "ratio", "ratio_to_prediction", "top_k_step_time_s", "top_k_ratio")
+  assert min(row[key] for key in (*timed, "top_k_vs_dense")) > 0, row
+
+  def tflops(*keys):
+    argv = ["", "distill.yml", f"dataset_path={tfds_dir}", *harness.BENCHMARK_MODEL, *tiny, *keys]
+    return maxtext_utils.calculate_tflops_training_per_device(posttrain_config.initialize(argv), log=False)[0]
+
+  student, teacher = tflops(), tflops("base_num_decoder_layers=2")
+  assert row["flops_prediction"] == 1 + teacher / (3 * student) > 1
+  assert row["ratio_to_prediction"] == row["ratio"] / row["flops_prediction"]
