@@ -206,6 +206,22 @@ class DistillSection(pydantic.BaseModel):
       description="posttrain_mode=distill_on_policy: the fraction of steps whose completions the student samples "
       "(GKD's lambda); the others train on the dataset's reference completions. posttrain_mode=distill: 0.",
   )
+  teacher_layer_indices: list[int] | None = Field(
+      None,
+      description="The teacher's layers matched, in order, to the student's distill_layer_indices by the feature "
+      "(distill_beta) and attention (distill.attention_weight) terms; None: the same indices (MaxText's meaning).",
+  )
+  attention_weight: float = Field(
+      0.0,
+      ge=0.0,
+      description="Attention transfer: the weight of the loss between the matched layers' attention probabilities "
+      "(MiniLM, TinyBERT), added to the loss; 0: off. Heads are averaged in groups when the counts differ.",
+  )
+  attention_loss: Literal["kl", "mse", "cosine"] = Field(
+      "kl",
+      description="Attention transfer's loss per query: KL(teacher || student) over the keys (MiniLM's), mse "
+      "(TinyBERT's) or cosine.",
+  )
 
 
 class PostTrainConfig(types.MaxTextConfig):

@@ -55,6 +55,8 @@ class RoleSpec:
     in_step: frozen roles: passed into the jitted train and eval steps, where the loss reads them.
     loss: trained roles: `loss(model, batch, is_train, frozen) -> objectives.LossOutput`, `frozen` the in-step
       frozen roles' models by name (None where only the role's state is built, as by export).
+    prepare: `prepare(model) -> model`, what the objective adds to the model when it is built, before its graph is
+      split (distillation's `layer_capture.enable_capture`); None: MaxText's model as built.
   """
 
   name: str
@@ -65,6 +67,7 @@ class RoleSpec:
   command_line: bool = True
   in_step: bool = False
   loss: Callable | None = None
+  prepare: Callable | None = None
 
   def __post_init__(self):
     if self.loss is not None and not self.trained:
@@ -142,6 +145,8 @@ def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Mo
     model = create_model()
     if spec.head == "scalar":
       forward.attach_scalar_head(model, config)
+    if spec.prepare is not None:
+      model = spec.prepare(model)
     return lora.apply(model, config, spec.name) if spec.trained else model
 
   return init_model, abstract_model

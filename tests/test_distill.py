@@ -169,8 +169,6 @@ def test_bad_distillation_settings_fail_at_start_naming_them(make_config, deep_s
     _loop(make_config, sft_checkpoint)  # a 2-layer checkpoint for the 4-layer teacher
   with pytest.raises(ValueError, match=r"distill_alpha=1.5: the soft term's weight must be in \[0, 1\]"):
     _loop(make_config, deep_sft_checkpoint, "distill_alpha=1.5")
-  with pytest.raises(ValueError, match=r"distill_beta / distill_layer_indices .* are not supported"):
-    _loop(make_config, deep_sft_checkpoint, "distill_beta=0.5")
   with pytest.raises(ValueError, match=r"Unknown config key student_overrides.num_layerz"):
     make_config(f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "student_overrides.num_layerz=1",
                 config_file="distill.yml")  # fmt: skip

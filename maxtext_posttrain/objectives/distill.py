@@ -19,6 +19,7 @@ was written once by `python -m maxtext_posttrain.score_teacher` (`data.teacher_l
 packed with its tokens; the loss is then the online top-k loss on the same numbers.
 """
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -28,6 +29,8 @@ import numpy as np
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import layer_capture
+from maxtext_posttrain import layer_transfer
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import teacher_logits
@@ -50,10 +53,12 @@ def check_config(config) -> None:
     value = getattr(config, key)
     if value is not None and value <= 0.0:
       raise ValueError(f"{key}={value}: the temperature must be > 0.")
-  if config.distill_beta or config.distill_beta_end or config.distill_layer_indices:
+  transfer = layer_transfer.enabled(config) or config.distill_layer_indices
+  if transfer and (config.posttrain_mode != "distill" or config.offline_data_dir):
     raise ValueError(
-        "distill_beta / distill_layer_indices (feature and attention transfer) are not supported by "
-        f"posttrain_mode={config.posttrain_mode} yet; leave distill_beta=0 and distill_layer_indices unset."
+        "distill_beta, distill.attention_weight and distill_layer_indices (feature and attention transfer) need the "
+        f"teacher's layers, which posttrain_mode={config.posttrain_mode} with offline_data_dir="
+        f"{config.offline_data_dir or 'unset'} does not run: use posttrain_mode=distill with the teacher online."
     )
   if config.offline_data_dir and config.posttrain_mode != "distill":
     raise ValueError(
@@ -66,14 +71,15 @@ def check_config(config) -> None:
 
 
 def schedule_values(config, step: int) -> dict[str, float]:
-  """distill_alpha and distill_temperature at `step`, by MaxText's distill_*_end / distill_*_schedule keys."""
+  """distill_alpha, distill_temperature and distill_beta at `step`, by MaxText's distill_*_end / distill_*_schedule
+  keys."""
   return {
       key: float(
           distillation.compute_schedule(
               step, config.steps, getattr(config, key), getattr(config, f"{key}_end"), getattr(config, f"{key}_schedule")
           )
       )
-      for key in (ALPHA_KEY, TEMPERATURE_KEY)
+      for key in (ALPHA_KEY, TEMPERATURE_KEY, layer_transfer.BETA_KEY)
   }
 
 
@@ -91,7 +97,7 @@ class Distill(SFT):
   """`posttrain_mode=distill`: SFT's data and evaluation, with the teacher's soft targets mixed into the loss."""
 
   name = "distill"
-  batch_keys = SFT.batch_keys + (ALPHA_KEY, TEMPERATURE_KEY)
+  batch_keys = SFT.batch_keys + (ALPHA_KEY, TEMPERATURE_KEY, layer_transfer.BETA_KEY)
 
   def __init__(self, config):
     super().__init__(config)
@@ -108,6 +114,19 @@ class Distill(SFT):
       self.roles = (roles.policy(self.loss),)
     else:
       self.roles = (roles.policy(self.loss), roles.teacher(config, f"posttrain_mode={self.name}"))
+    self.layers = self._with_layer_transfer() if layer_transfer.enabled(config) else None
+
+  def _with_layer_transfer(self) -> layer_transfer.LayerMap:
+    """Both models built to expose their layers (attention probabilities, and the out-projection activations that
+    MaxText sows when the model's config has distill_beta > 0, which the teacher's gets from the run's); returns the
+    matched layers."""
+    config = self.config
+    prepare = functools.partial(layer_capture.enable_capture, attention=self.section.attention_weight > 0)
+    policy, teacher = self.roles
+    overrides = {"distill_beta": config.distill_beta} | dict(teacher.overrides)
+    teacher = dataclasses.replace(teacher, overrides=overrides, prepare=prepare)
+    self.roles = (dataclasses.replace(policy, prepare=prepare), teacher)
+    return layer_transfer.layer_map(config, roles.role_config(config, teacher))
 
   def make_data(self, mesh) -> ObjectiveData:
     if not self.offline:
@@ -134,9 +153,17 @@ class Distill(SFT):
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-    student_logits = forward.logits(model, *inputs, enable_dropout=self.config.enable_dropout and is_train)
+    dropout = self.config.enable_dropout and is_train
     # The data pipeline zeroes targets_segmentation on prompt tokens (completion-only SFT) and on padding.
     mask = batch["targets_segmentation"] != 0
+    transfer = {}
+    if self.layers is not None:
+      student_logits, student_layers = layer_capture.forward_with_captures(model, *inputs, enable_dropout=dropout)
+      teacher_scores, teacher_layers = layer_capture.forward_with_captures(frozen[roles.TEACHER], *inputs)
+      transfer = layer_transfer.transfer_losses(self.config, self.layers, student_layers, teacher_layers, mask)
+    else:
+      student_logits = forward.logits(model, *inputs, enable_dropout=dropout)
+      teacher_scores = None if self.offline else forward.logits(frozen[roles.TEACHER], *inputs)
     hard_total, weight, z_total = cross_entropy.token_cross_entropy(
         student_logits, batch["targets"], mask, z_loss=self.config.z_loss_multiplier
     )
@@ -147,8 +174,11 @@ class Distill(SFT):
           student_logits, *teacher, mask, self.section.divergence, temperature, self.section.jsd_beta
       )
     else:
-      soft = soft_loss(self.section, student_logits, forward.logits(frozen[roles.TEACHER], *inputs), mask, temperature)
+      soft = soft_loss(self.section, student_logits, teacher_scores, mask, temperature)
     total = alpha * soft.total + (1.0 - alpha) * hard_total
+    weights = {"feature": jnp.mean(batch[layer_transfer.BETA_KEY]), "attention": self.section.attention_weight}
+    for name, term in transfer.items():
+      total += weights[name] * term.total
     metrics = {
         "ce": hard_total - z_total,
         "z_loss": z_total,
@@ -156,6 +186,7 @@ class Distill(SFT):
         **soft.metrics,
         ALPHA_KEY: alpha * weight,
         TEMPERATURE_KEY: temperature * weight,
+        **{f"{name}_loss": term.total for name, term in transfer.items()},
     }
     return LossOutput(total=total, weight=weight, metrics={k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
 
