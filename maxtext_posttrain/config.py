@@ -217,6 +217,11 @@ class DistillSection(pydantic.BaseModel):
       description="Attention transfer: the weight of the loss between the matched layers' attention probabilities "
       "(MiniLM, TinyBERT), added to the loss; 0: off. Heads are averaged in groups when the counts differ.",
   )
+  feature_projection: Literal["linear", "pool"] = Field(
+      "linear",
+      description="Feature transfer between different widths: a learned [student emb, teacher emb] map trained and "
+      "checkpointed with the student (FitNets' regressor), or mean pooling of the wider side in runs.",
+  )
   attention_loss: Literal["kl", "mse", "cosine"] = Field(
       "kl",
       description="Attention transfer's loss per query: KL(teacher || student) over the keys (MiniLM's), mse "

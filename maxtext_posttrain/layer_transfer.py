@@ -6,8 +6,14 @@ l2) on the attention out-projection activations that MaxText sows when distill_b
 takes the same indices in both models; `distill.teacher_layer_indices` names other teacher layers, in order, for a
 teacher of another depth. `distill.attention_weight` adds attention transfer (MiniLM, TinyBERT) between the same
 layers' attention probabilities (`layer_capture`: MaxText's own softmax), with head counts averaged in groups when
-they differ (`losses.distillation.attention_loss`). Features of different widths are compared after mean pooling
-the wider side in runs of (wider / narrower) units, which needs one width to divide the other.
+they differ (`losses.distillation.attention_loss`). Features of different widths meet through a learned
+[student emb, teacher emb] map (`distill.feature_projection=linear`, FitNets' regressor), or after mean pooling the
+wider side in runs of (wider / narrower) units (`pool`, which needs one width to divide the other).
+
+The learned map is a parameter of the student model, `distill_projection`, of its own variable type
+(`FeatureProjection`, an `nnx.Param`): the optimizer trains it and checkpoints save and restore it with the student,
+while what reads MaxText's weights leaves it out: decoding (`lora.policy_params`) and the start weights of
+`load_parameters_path` (`roles.load_start_weights`, which starts it fresh).
 
 Both terms are means over the matched layers of per-token means, the way MaxText averages its feature loss, and are
 added to the logit loss: alpha T^2 D + (1 - alpha) CE + beta x feature + attention_weight x attention.
@@ -17,12 +23,34 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import layer_capture
 from maxtext_posttrain.losses import distillation
 
 BETA_KEY = "distill_beta"
+PROJECTION = "distill_projection"
+
+
+class FeatureProjection(nnx.Param):
+  """The student's learned map of its features to the teacher's width: trained and checkpointed with the student,
+  not one of MaxText's weights."""
+
+
+def attach_projection(model: nnx.Module, config, width: int) -> nnx.Module:
+  """`model` with a `distill_projection` kernel [emb_dim, width], LeCun-normal from `init_weights_seed` (so the
+  student's output starts as a random projection of its features, as FitNets' regressor), sharded like the
+  embedding dimension on its rows."""
+  key = jax.random.fold_in(jax.random.key(config.init_weights_seed), 1)
+  kernel = nnx.initializers.lecun_normal()(key, (config.emb_dim, width), config.weight_dtype)
+  setattr(model, PROJECTION, FeatureProjection(kernel, sharding=("embed", None)))
+  return model
+
+
+def has_projection(tree) -> bool:
+  """Whether a model or a params tree (a checkpoint's) carries the learned map."""
+  return hasattr(tree, PROJECTION) if isinstance(tree, nnx.Module) else PROJECTION in tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +95,13 @@ def layer_map(config, teacher_config) -> LayerMap:
         f"distill.teacher_layer_indices={list(teacher)} names {len(teacher)} teacher layers for the "
         f"{len(student)} student layers of distill_layer_indices={list(student)}."
     )
-  if config.distill_beta > 0:
+  if config.distill_beta > 0 and section.feature_projection == "pool":
     narrow, wide = sorted((config.emb_dim, teacher_config.emb_dim))
     if wide % narrow:
       raise ValueError(
           f"Feature transfer (distill_beta={config.distill_beta}) compares emb_dim {config.emb_dim} (student) with "
-          f"{teacher_config.emb_dim} (teacher): pooling needs one width to divide the other."
+          f"{teacher_config.emb_dim} (teacher): distill.feature_projection=pool needs one width to divide the "
+          "other; distill.feature_projection=linear learns a map."
       )
   return LayerMap(student, teacher)
 
@@ -84,14 +113,21 @@ def _pool(features: jax.Array, width: int) -> jax.Array:
 
 
 def transfer_losses(
-    config, layers: LayerMap, student: layer_capture.Captures, teacher: layer_capture.Captures, mask: jax.Array
+    config,
+    layers: LayerMap,
+    model: nnx.Module,
+    student: layer_capture.Captures,
+    teacher: layer_capture.Captures,
+    mask: jax.Array,
 ) -> dict[str, distillation.DistillationLoss]:
   """{"feature": ..., "attention": ...} (the enabled ones) over `mask` [B, T], each total a sum over tokens of the
-  mean over matched layers, so total / weight is MaxText's mean."""
+  mean over matched layers, so total / weight is MaxText's mean; `model` is the student (its learned map, if any)."""
   terms = {}
   count = len(layers.student)
   if config.distill_beta > 0:
     s, t = student.features[jnp.array(layers.student)], teacher.features[jnp.array(layers.teacher)]
+    if has_projection(model):
+      s = jnp.einsum("...d,de->...e", s, getattr(model, PROJECTION).get_value().astype(s.dtype))
     width = min(s.shape[-1], t.shape[-1])
     loss = distillation.feature_loss(_pool(s, width), _pool(t, width), mask, config.distill_feature_loss_type)
     terms["feature"] = distillation.DistillationLoss(total=loss.total / count, weight=loss.weight / count, metrics={})

@@ -32,6 +32,7 @@ from maxtext.utils import sharding
 from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import layer_transfer
 from maxtext_posttrain.peft import lora
 
 POLICY = "policy"
@@ -158,11 +159,13 @@ def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.St
   A scalar-head role reads the checkpoint's head when it has one; a trained role starting from a checkpoint without
   one (a policy's) keeps its fresh head, while a frozen one refuses it (a reward model needs a trained head). The
   stored shapes are compared with the model's first, so a checkpoint of another model fails naming the path and
-  the difference before anything loads. LoRA adapters are not read from it.
+  the difference before anything loads. LoRA adapters and distillation's learned feature map are not read from it
+  (they start fresh).
   """
   path = config.load_parameters_path
-  wanted = model_state.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))  # adapters never start from it
+  wanted = model_state.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(layer_transfer.FeatureProjection)))
   stored = checkpoint_guard.stored_params(path)
+  stored = {k: v for k, v in stored.items() if k != layer_transfer.PROJECTION}
   if spec.head == "scalar" and not forward.has_scalar_head(stored):
     if not spec.trained:
       raise ValueError(

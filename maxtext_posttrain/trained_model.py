@@ -29,6 +29,7 @@ from maxtext.utils import train_utils
 from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import layer_transfer
 from maxtext_posttrain import roles as roles_lib
 from maxtext_posttrain.peft import adapter_checkpoint
 from maxtext_posttrain.peft import lora
@@ -255,8 +256,10 @@ def build(
   checkpoint_guard.check_compatible(checkpoint_manager, abstract_state, adapters_only=adapters)
   resuming = checkpoint_manager is not None and checkpointing.latest_step(checkpoint_manager) is not None
   # The role's starting weights are read by MaxText's loader, except where the state cannot take a checkpoint's
-  # tree as is: a scalar head the checkpoint may lack, or the quantized base of QLoRA.
-  own_start = not resuming and bool(config.load_parameters_path) and spec.head == "scalar"
+  # tree as is: a scalar head the checkpoint may lack, distillation's learned feature map, or the quantized base of
+  # QLoRA.
+  extra_params = spec.head == "scalar" or layer_transfer.has_projection(abstract_state.model)
+  own_start = not resuming and bool(config.load_parameters_path) and extra_params
   setup_config = config
   if adapters:
     setup_config = lora.prepare_start(config, checkpoint_manager, abstract_state, resuming)

@@ -183,15 +183,27 @@ def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_dense_teacher(sft_studen
   np.testing.assert_allclose(losses[512], losses[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("config_file", ["distill.yml", "distill_on_policy.yml"])
+# A 64-wide student matched to the 128-wide teacher's layers 1 and 3 through a learned feature map, with attention.
+LAYER_TRANSFER = (
+    "base_emb_dim=64", "head_dim=16", "distill_beta=1.0", "distill.attention_weight=0.25",
+    "distill_layer_indices=[0,1]", "distill.teacher_layer_indices=[1,3]",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config_file, extra",
+    [("distill.yml", ()), ("distill_on_policy.yml", ()), ("distill.yml", LAYER_TRANSFER)],
+    ids=["distill", "on_policy", "layer_transfer"],
+)
 def test_a_resumed_distillation_repeats_the_uninterrupted_one(
-    make_config, tmp_path, sft_checkpoint, deep_sft_checkpoint, config_file
+    make_config, tmp_path, sft_checkpoint, deep_sft_checkpoint, config_file, extra
 ):
-  """Killed after step 3 and resumed from step 2's checkpoint: the student, its optimizer, the data order and
-  (on-policy) the draws of on-policy steps and their samples come back, so every step's loss and divergence equal the
-  uninterrupted run's. (The death is a run with steps=4; alpha and T stay constant here because their schedules run
-  over `steps`, which that changes; a schedule's value is a function of the restored step, as its own test shows.)"""
-  common = (f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "per_device_batch_size=2")
+  """Killed after step 3 and resumed from step 2's checkpoint: the student, its optimizer, the data order,
+  (on-policy) the draws of on-policy steps and their samples, and (layer transfer) the learned feature map come back,
+  so every step's loss and divergence equal the uninterrupted run's. (The death is a run with steps=4; alpha and T
+  stay constant here because their schedules run over `steps`, which that changes; a schedule's value is a function
+  of the restored step, as its own test shows.)"""
+  common = (f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", "per_device_batch_size=2", *extra)
   common += ("checkpoint_period=2", "async_checkpointing=false", "eval_interval=0", "learning_rate=1e-3")
   common += ("learning_rate_schedule_steps=6", "distill_temperature=2.0")
   if config_file == "distill_on_policy.yml":  # steps 2 and 5 of 0..5 are on-policy
@@ -208,7 +220,9 @@ def test_a_resumed_distillation_repeats_the_uninterrupted_one(
   run("split", "steps=4", "save_checkpoint_on_completion=false")  # dies after step 3; its last checkpoint is step 2's
   split = run("split", "steps=6")
   assert sorted(split) == sorted(full) == list(range(6))
-  keys = ["learning/loss", "learning/divergence"]
+  keys = ["learning/loss", "learning/divergence"] + (
+      ["learning/feature_loss", "learning/attention_loss"] if extra else []
+  )
   if config_file == "distill_on_policy.yml":
     keys.append("distill/on_policy")
     assert [full[s]["distill/on_policy"] for s in range(6)] == [0, 0, 1, 0, 0, 1]

@@ -7,8 +7,10 @@ from flax import nnx
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import layer_capture
+from maxtext_posttrain import layer_transfer
 from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
+from maxtext_posttrain.peft import lora
 from tests import run_utils
 
 BETA, ATTENTION_WEIGHT = 2.0, 0.25
@@ -89,9 +91,36 @@ def test_bad_layer_settings_fail_at_start_naming_them(make_config, deep_sft_chec
   with pytest.raises(ValueError, match=r"distill_layer_indices is unset, which matches every layer, but the student "
                      r"has 2 decoder layers and the teacher 4"):  # fmt: skip
     setup("distill_layer_indices=null", "distill.teacher_layer_indices=null")
-  with pytest.raises(ValueError, match=r"compares emb_dim 96 \(student\) with 128 \(teacher\)"):
-    setup("base_emb_dim=96")
+  with pytest.raises(ValueError, match=r"compares emb_dim 96 \(student\) with 128 \(teacher\): "
+                     r"distill.feature_projection=pool needs one width to divide the other"):  # fmt: skip
+    setup("base_emb_dim=96", "distill.feature_projection=pool")
   with pytest.raises(ValueError, match=r"need the teacher's layers, which posttrain_mode=distill with offline_data_dir"):
     setup(f"offline_data_dir={tmp_path}", "distill.top_k=8")
   with pytest.raises(ValueError, match=r"need the teacher's layers, which posttrain_mode=distill_on_policy"):
     trainer.setup(make_config(*_overrides(deep_sft_checkpoint), config_file="distill_on_policy.yml"))
+
+
+def test_a_narrower_student_learns_a_feature_map_that_decoding_leaves_out(make_config, deep_sft_checkpoint):
+  """A 64-wide student against the 128-wide teacher: its features meet the teacher's through its own
+  [64, 128] `distill_projection` (numpy), which the optimizer moves, while the weights decoding reads are MaxText's
+  model's alone."""
+  config = make_config(*_overrides(deep_sft_checkpoint, "base_emb_dim=64", "head_dim=16", "distill.attention_weight=0",
+                                   "steps=3", "eval_interval=0"), config_file="distill.yml")  # fmt: skip
+  loop = trainer.setup(config)
+  student = loop.policy()
+  kernel = np.asarray(getattr(student, layer_transfer.PROJECTION).get_value(), np.float64)
+  assert kernel.shape == (64, 128)
+  assert layer_transfer.PROJECTION not in lora.policy_params(student, config)
+  batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  teacher = loop.role(roles.TEACHER)
+  teacher = nnx.merge(teacher.graphdef, teacher.state)
+  out = loop.objective.loss(student, batch, False, {roles.TEACHER: teacher})
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  (_, s), (_, t) = (layer_capture.forward_with_captures(m, *inputs) for m in (student, teacher))
+  mask = np.asarray(batch["targets_segmentation"]) != 0
+  s_features, t_features = np.asarray(s.features, np.float64) @ kernel, np.asarray(t.features, np.float64)
+  feature = np.mean([_cosine_distance(s_features[i], t_features[j])[mask].mean() for i, j in ((0, 1), (1, 3))])
+  np.testing.assert_allclose(float(out.metrics["feature_loss"] / out.weight), feature, rtol=1e-4)
+  trainer.train(loop)
+  moved = np.asarray(getattr(loop.policy(), layer_transfer.PROJECTION).get_value(), np.float64)
+  assert np.abs(moved - kernel).max() > 1e-4

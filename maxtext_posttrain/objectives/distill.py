@@ -38,6 +38,7 @@ from maxtext_posttrain.losses import cross_entropy
 from maxtext_posttrain.losses import distillation
 from maxtext_posttrain.objectives.base import LossOutput, ObjectiveData, register
 from maxtext_posttrain.objectives.sft import SFT
+from maxtext_posttrain.peft import lora
 
 ALPHA_KEY = "distill_alpha"
 TEMPERATURE_KEY = "distill_temperature"
@@ -121,12 +122,25 @@ class Distill(SFT):
     MaxText sows when the model's config has distill_beta > 0, which the teacher's gets from the run's); returns the
     matched layers."""
     config = self.config
-    prepare = functools.partial(layer_capture.enable_capture, attention=self.section.attention_weight > 0)
+    capture = functools.partial(layer_capture.enable_capture, attention=self.section.attention_weight > 0)
     policy, teacher = self.roles
     overrides = {"distill_beta": config.distill_beta} | dict(teacher.overrides)
-    teacher = dataclasses.replace(teacher, overrides=overrides, prepare=prepare)
-    self.roles = (dataclasses.replace(policy, prepare=prepare), teacher)
-    return layer_transfer.layer_map(config, roles.role_config(config, teacher))
+    teacher = dataclasses.replace(teacher, overrides=overrides, prepare=capture)
+    teacher_config = roles.role_config(config, teacher)
+    prepare_student = capture
+    width = teacher_config.emb_dim
+    if config.distill_beta > 0 and self.section.feature_projection == "linear" and width != config.emb_dim:
+      if lora.enabled(config):
+        raise ValueError(
+            "distill.feature_projection=linear trains a map beside the student's weights, which LoRA keeps frozen: "
+            "use distill.feature_projection=pool, or train the student fully."
+        )
+
+      def prepare_student(model):
+        return layer_transfer.attach_projection(capture(model), config, width)
+
+    self.roles = (dataclasses.replace(policy, prepare=prepare_student), teacher)
+    return layer_transfer.layer_map(config, teacher_config)
 
   def make_data(self, mesh) -> ObjectiveData:
     if not self.offline:
@@ -160,7 +174,7 @@ class Distill(SFT):
     if self.layers is not None:
       student_logits, student_layers = layer_capture.forward_with_captures(model, *inputs, enable_dropout=dropout)
       teacher_scores, teacher_layers = layer_capture.forward_with_captures(frozen[roles.TEACHER], *inputs)
-      transfer = layer_transfer.transfer_losses(self.config, self.layers, student_layers, teacher_layers, mask)
+      transfer = layer_transfer.transfer_losses(self.config, self.layers, model, student_layers, teacher_layers, mask)
     else:
       student_logits = forward.logits(model, *inputs, enable_dropout=dropout)
       teacher_scores = None if self.offline else forward.logits(frozen[roles.TEACHER], *inputs)

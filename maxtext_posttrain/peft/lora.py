@@ -34,6 +34,7 @@ from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
 
 from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import layer_transfer
 
 _LISTED = 8
 # Trained roles that may carry adapters; frozen roles (reference, reward model, teacher) never do.
@@ -275,9 +276,10 @@ def merged_params(model: nnx.Module, config) -> dict:
 
 def policy_params(model: nnx.Module, config) -> nnx.State:
   """The policy's weights as a model without adapters holds them, which is what MaxText's decode graphs (the
-  rollout sampler, generation eval) read: `nnx.state(model, nnx.Param)`, or under (Q)LoRA the merged weights."""
+  rollout sampler, generation eval) read: `nnx.state(model, nnx.Param)` without distillation's learned feature map,
+  or under (Q)LoRA the merged weights."""
   if not enabled(config):
-    return nnx.state(model, nnx.Param)
+    return nnx.state(model, nnx.All(nnx.Param, nnx.Not(layer_transfer.FeatureProjection)))
   # Each merged weight keeps its variable's metadata (sharding names, scan axis), which decoding relies on; a
   # QLoRA kernel takes that of its quantized codes, which have the kernel's shape and axes.
   variables = dict(nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
