@@ -1,5 +1,5 @@
 """Distillation step time against MaxText's pretraining step of the student on the same tokens, model and mesh, with
-the FLOP prediction, dense and with the teacher's top-k.
+the FLOP prediction: dense, with the teacher's top-k, and offline (the top-k read from files the teacher wrote).
 
 A distillation step (`posttrain_mode=distill`) is one jitted program: the frozen teacher's forward over the batch, read
 inside the step, then the student's forward and backward and a loss over the vocabulary. Counting a forward as one
@@ -7,6 +7,12 @@ third of a forward+backward, FLOPs predict distillation / pretraining = 1 + teac
 1 + teacher / (3 x student), each MaxText's `calculate_tflops_training_per_device` of its own config. The loss's
 work over the vocabulary is not in that count; `distill.top_k` changes it (the teacher kept as its k most likely
 tokens plus their remaining mass), so the same step is also timed with `distill.top_k=--top_k`, by a second loop.
+Offline distillation (`offline_data_dir`) reads those top-k columns with the batch and builds no teacher: its step is
+the student's training plus the same sparse loss, predicted 1 (MaxText's `calculate_distillation_tflops_per_device`
+with `is_offline=True` counts no teacher FLOPs). A third loop times it on files `score_teacher.score` writes with the
+same teacher, after which the data's cost is on disk: `offline_bytes_per_token`, the metadata's file bytes per scored
+token (records of about 8k + 8 bytes a token, compressed by ArrayRecord into 64 KiB blocks, 128 KiB at least: a
+share of the figure on a split this small).
 
 The student is the benchmark model; the teacher is, as the loop builds it, the yml plus `teacher_overrides` without
 the command line's keys, which are the student's. The benchmark sets `teacher_overrides` to the benchmark model's keys
@@ -15,16 +21,23 @@ on the command line overrides them. The loop refuses a teacher without `teacher_
 without one the benchmark writes the teacher's seeded initialisation as a params-only checkpoint (removed at exit)
 and reads that, since the step's time does not depend on the weights' values.
 
-The loop's jitted steps and MaxText's pretraining step (`train_utils.jit_train_step`, the same state shardings and
-donation) run alternately in one process on one SFT batch (a packed batch is a valid pretraining batch). Prints and
-writes JSON rows `{objective, step_time_s, pretrain_step_time_s, ratio, flops_prediction, ratio_to_prediction, top_k,
-top_k_step_time_s, top_k_ratio, top_k_vs_dense, student_tflops, teacher_tflops, teacher_parameters}`.
+The data is a JSONL file of the bundled arithmetic problems that the benchmark writes, a little more than a batch,
+since scoring reads the whole train split and only one batch is timed (`grain_train_files=` on the command line
+names other data, which is then scored whole). The loops' jitted steps and MaxText's pretraining step
+(`train_utils.jit_train_step`, the same state shardings and donation) run alternately in one process on one SFT batch
+(a packed batch is a valid pretraining batch); the offline loop's first batch, drawn by the same pipeline from the
+same examples, is the same rows plus the teacher's columns, which the benchmark checks. Prints and writes JSON rows
+`{objective, step_time_s, pretrain_step_time_s, ratio, flops_prediction, ratio_to_prediction, top_k,
+top_k_step_time_s, top_k_ratio, top_k_vs_dense, offline_step_time_s, offline_ratio, offline_vs_online_top_k,
+offline_flops_prediction, offline_bytes_per_token, student_tflops, teacher_tflops, teacher_parameters}`.
 
   python -m benchmarks.distill_vs_pretrain [distill.yml] [key=value ...] [--repeats=N] [--top_k=K] \
       [--output=path.json]
 """
 
 import atexit
+import json
+import os
 import shutil
 import statistics
 import sys
@@ -32,6 +45,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
@@ -41,7 +55,9 @@ from maxtext.utils import maxtext_utils
 from maxtext.utils import model_creation_utils
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import roles
+from maxtext_posttrain import score_teacher
 from maxtext_posttrain import trainer
+from maxtext_posttrain.data import arithmetic
 
 
 def teacher_keys(args: harness.Args) -> list[str]:
@@ -69,6 +85,14 @@ def seeded_teacher_checkpoint(config) -> str:
   return f"{directory}/items"
 
 
+def write_problems(path: str, config) -> None:
+  """Writes easy arithmetic problems (MaxText's SFT columns, question and answer) to `path` as JSONL: one per 32 of a
+  packed batch's tokens, more than the batch holds (about 51 tokens each), so that its rows repeat no problem."""
+  count = config.global_batch_size_to_train_on * config.max_target_length // 32
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(problem) + "\n" for problem in arithmetic.generate("easy", "train", count, seed=0))
+
+
 def training_tflops(config) -> float:
   """MaxText's TFLOPs of one training step (forward and backward) per device."""
   return maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0]
@@ -86,7 +110,11 @@ def main(argv):
   repeats = int(args.flag("repeats", "10"))
   top_k = int(args.flag("top_k", "64"))
   output = args.flag("output", "benchmark_distill_vs_pretrain.json")
-  config = args.config("distill", *teacher_keys(args))
+  data = tempfile.mkdtemp(prefix="posttrain_bench_distill_data_")
+  atexit.register(shutil.rmtree, data, ignore_errors=True)
+  problems = os.path.join(data, "train.jsonl")
+  config = args.config("distill", "grain_file_type=jsonl", f"grain_train_files={problems}", *teacher_keys(args))
+  write_problems(problems, config)
   if not config.teacher_overrides.get("load_parameters_path"):
     checkpoint = seeded_teacher_checkpoint(config)
     config = config_lib.with_overrides(
@@ -94,24 +122,36 @@ def main(argv):
     )
   section = config_lib.distill(config)
   loop = trainer.setup(config)
-  sparse_loop = trainer.setup(config_lib.with_overrides(config, distill=section.model_copy(update={"top_k": top_k})))
+  sparse_config = config_lib.with_overrides(config, distill=section.model_copy(update={"top_k": top_k}))
+  sparse_loop = trainer.setup(sparse_config)
+  offline_config = config_lib.with_overrides(sparse_config, offline_data_dir=os.path.join(data, "teacher_top_k"))
+  metadata = score_teacher.score(offline_config)
+  offline_loop = trainer.setup(offline_config)
   p_pretrain_step = harness.jit_pretraining_step(loop)
   pretrain_batch = loop.train_batches.load_next_batch()
   batch = loop.objective.before_step(loop, pretrain_batch)  # plus the schedules' values at the step
-  state, sparse_state = loop.primary.state, sparse_loop.primary.state
-  frozen, sparse_frozen = loop.frozen_states(), sparse_loop.frozen_states()
-  times = {"distill": [], "top_k": [], "pretrain": []}
+  offline_batch = offline_loop.objective.before_step(offline_loop, offline_loop.train_batches.load_next_batch())
+  if not all(jnp.array_equal(offline_batch[key], tokens) for key, tokens in pretrain_batch.items()):
+    raise ValueError("The offline loop's first batch holds other token rows than the online loops' first batch.")
+  state, sparse_state, offline_state = loop.primary.state, sparse_loop.primary.state, offline_loop.primary.state
+  frozen, sparse_frozen, offline_frozen = loop.frozen_states(), sparse_loop.frozen_states(), offline_loop.frozen_states()
+  times = {"distill": [], "top_k": [], "offline": [], "pretrain": []}
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for repeat in range(-2, repeats):  # two warm-up rounds compile every program
-      state, pretrain_seconds = _timed(p_pretrain_step, state, pretrain_batch)
-      state, distill_seconds = _timed(loop.primary.p_train_step, state, batch, frozen)
-      sparse_state, top_k_seconds = _timed(sparse_loop.primary.p_train_step, sparse_state, batch, sparse_frozen)
+      seconds = {}
+      state, seconds["pretrain"] = _timed(p_pretrain_step, state, pretrain_batch)
+      state, seconds["distill"] = _timed(loop.primary.p_train_step, state, batch, frozen)
+      sparse_state, seconds["top_k"] = _timed(sparse_loop.primary.p_train_step, sparse_state, batch, sparse_frozen)
+      offline_state, seconds["offline"] = _timed(
+          offline_loop.primary.p_train_step, offline_state, offline_batch, offline_frozen
+      )
       if repeat >= 0:
-        times["pretrain"].append(pretrain_seconds)
-        times["distill"].append(distill_seconds)
-        times["top_k"].append(top_k_seconds)
-  loop.primary.state, sparse_loop.primary.state = state, sparse_state
-  step_s, pretrain_s, top_k_s = (statistics.median(times[name]) for name in ("distill", "pretrain", "top_k"))
+        for name, value in seconds.items():
+          times[name].append(value)
+  loop.primary.state, sparse_loop.primary.state, offline_loop.primary.state = state, sparse_state, offline_state
+  step_s, pretrain_s, top_k_s, offline_s = (
+      statistics.median(times[name]) for name in ("distill", "pretrain", "top_k", "offline")
+  )
   teacher = loop.frozen[roles.TEACHER]
   student_tflops, teacher_tflops = training_tflops(config), training_tflops(teacher.config)
   prediction = 1 + teacher_tflops / (3 * student_tflops)
@@ -127,12 +167,18 @@ def main(argv):
       "top_k_step_time_s": top_k_s,
       "top_k_ratio": top_k_s / pretrain_s,
       "top_k_vs_dense": top_k_s / step_s,
+      "offline_step_time_s": offline_s,
+      "offline_ratio": offline_s / pretrain_s,
+      "offline_vs_online_top_k": offline_s / top_k_s,
+      "offline_flops_prediction": 1.0,  # the student's training FLOPs: no teacher runs
+      "offline_bytes_per_token": metadata.bytes_per_token("train"),
       "student_tflops": student_tflops,
       "teacher_tflops": teacher_tflops,
       "teacher_parameters": int(sum(x.size for x in jax.tree.leaves(teacher.state.filter(nnx.Param)))),
   }
   printed = ("objective", "step_time_s", "pretrain_step_time_s", "ratio", "flops_prediction", "ratio_to_prediction")
-  printed += ("top_k", "top_k_step_time_s", "top_k_ratio", "top_k_vs_dense", "teacher_parameters")
+  printed += ("top_k", "top_k_step_time_s", "top_k_ratio", "top_k_vs_dense", "offline_step_time_s", "offline_ratio")
+  printed += ("offline_vs_online_top_k", "offline_flops_prediction", "offline_bytes_per_token", "teacher_parameters")
   harness.write_row(row, loop, repeats, times, output, printed)
 
 

@@ -1,10 +1,11 @@
-"""Prints the per-step losses of short distillation runs (distill.yml and distill_on_policy.yml); run in a subprocess
-with fake CPU devices.
+"""Prints the per-step losses of short distillation runs (distill.yml with feature and attention transfer through a
+learned feature map, and distill_on_policy.yml); run in a subprocess with fake CPU devices.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_distill.py OUT_DIR TFDS_DIR \\
       STUDENT TEACHER '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]'
 
-Prints one JSON line per config: {"config": ..., "mesh": {...}, "losses": [...], "divergence": [...]}.
+Prints one JSON line per config: {"config": ..., "mesh": {...}, "losses": [...], "divergence": [...],
+"feature_loss": [...]}.
 """
 
 import json
@@ -21,7 +22,18 @@ RUN = (
     "learning_rate_schedule_steps=8", "warmup_steps_fraction=0",
 )  # fmt: skip
 CONFIGS = {
-    "distill.yml": ("distill_alpha_end=0.1", "distill_alpha_schedule=linear", "distill_temperature=2.0"),
+    "distill.yml": (
+        "distill_alpha_end=0.1",
+        "distill_alpha_schedule=linear",
+        "distill_temperature=2.0",
+        # a 64-wide student matched to the teacher's layers 1 and 3 through its learned map, attention too
+        "base_emb_dim=64",
+        "head_dim=16",
+        "distill_beta=1.0",
+        "distill.attention_weight=0.25",
+        "distill_layer_indices=[0,1]",
+        "distill.teacher_layer_indices=[1,3]",
+    ),
     "distill_on_policy.yml": ("distill.on_policy_fraction=0.5", "rl.num_generations=2"),
 }
 
@@ -43,6 +55,7 @@ def run(out_dir: str, tfds_dir: str, student: str, teacher: str, layout: list[st
       "mesh": dict(loop.mesh.shape),
       "losses": [row["learning/loss"] for row in rows],
       "divergence": [row["learning/divergence"] for row in rows],
+      "feature_loss": [row.get("learning/feature_loss", 0.0) for row in rows],
   }
 
 

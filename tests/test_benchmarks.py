@@ -94,20 +94,24 @@ def test_ppo_vs_pretrain_splits_the_step_and_states_the_flops_prediction(tmp_pat
   assert 0 < max(row["policy_temp_bytes"], row["critic_temp_bytes"]) <= row["fused_temp_bytes"], row
 
 
-def test_distill_vs_pretrain_times_dense_and_top_k_steps_against_the_flops_prediction(tmp_path, tfds_dir):
+def test_distill_vs_pretrain_times_dense_and_top_k_steps_against_the_flops_prediction(tmp_path):
   """The teacher is the student with twice its decoder layers, from a checkpoint of its seeded initialisation; the
-  prediction is 1 + teacher / (3 x student), by MaxText's training TFLOPs of the two configs built here."""
+  prediction is 1 + teacher / (3 x student), by MaxText's training TFLOPs of the two configs built here. The offline
+  step, on the same teacher's top-k files, runs no teacher: predicted 1, its data k ids and log-probs a token."""
   output = tmp_path / "distill.json"
   tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=128"]
-  distill_vs_pretrain.main(["", "--repeats=1", "--top_k=8", f"--output={output}", f"dataset_path={tfds_dir}", *tiny])
+  distill_vs_pretrain.main(["", "--repeats=1", "--top_k=8", f"--output={output}", *tiny])
   (row,) = json.loads(output.read_text())
   assert row["objective"] == "distill (forward_kl, teacher 2 layers, student 1)" and row["top_k"] == 8
-  assert [len(row["step_times_s"][name]) for name in ("distill", "top_k", "pretrain")] == [1, 1, 1]
+  assert [len(row["step_times_s"][name]) for name in ("distill", "top_k", "offline", "pretrain")] == [1, 1, 1, 1]
   timed = ("step_time_s", "pretrain_step_time_s", "ratio", "ratio_to_prediction", "top_k_step_time_s", "top_k_ratio")
-  assert min(row[key] for key in (*timed, "top_k_vs_dense")) > 0, row
+  timed += ("top_k_vs_dense", "offline_step_time_s", "offline_ratio", "offline_vs_online_top_k")
+  assert min(row[key] for key in timed) > 0, row
+  assert row["offline_flops_prediction"] == 1.0
+  assert row["offline_bytes_per_token"] > 8 * (4 + 4), row  # int32 ids and float32 log-probs, plus log_rest
 
   def tflops(*keys):
-    argv = ["", "distill.yml", f"dataset_path={tfds_dir}", *harness.BENCHMARK_MODEL, *tiny, *keys]
+    argv = ["", "distill.yml", *harness.BENCHMARK_MODEL, *tiny, *keys]
     return maxtext_utils.calculate_tflops_training_per_device(posttrain_config.initialize(argv), log=False)[0]
 
   student, teacher = tflops(), tflops("base_num_decoder_layers=2")

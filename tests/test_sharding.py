@@ -76,8 +76,9 @@ def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
 def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(
     tmp_path, tfds_dir, sft_checkpoint, deep_sft_checkpoint
 ):
-  """distill.yml (a moving alpha, T 2) and distill_on_policy.yml (on- and off-policy steps) with the 4-layer teacher
-  read inside the step, on 4 fake devices (fsdp 2 x tensor 2) against one: the losses and divergences match."""
+  """distill.yml (a moving alpha, T 2, feature and attention transfer through a learned feature map) and
+  distill_on_policy.yml (on- and off-policy steps) with the 4-layer teacher read inside the step, on 4 fake devices
+  (fsdp 2 x tensor 2) against one: the losses, divergences and feature losses match."""
   paths_ = [str(tmp_path), str(tfds_dir), str(sft_checkpoint), str(deep_sft_checkpoint)]
   single = [multidevice_distill.run(*paths_, ["per_device_batch_size=4"], c) for c in multidevice_distill.CONFIGS]
   layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
@@ -85,5 +86,5 @@ def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(
   assert [r["config"] for r in sharded] == list(multidevice_distill.CONFIGS)
   for one, four in zip(single, sharded):
     assert four["mesh"]["fsdp"] == 2 and four["mesh"]["tensor"] == 2 and len(one["losses"]) == 3
-    for key in ("losses", "divergence"):
+    for key in ("losses", "divergence", "feature_loss"):
       np.testing.assert_allclose(four[key], one[key], rtol=1e-4, atol=1e-6, err_msg=f"{one['config']} {key}")
