@@ -217,6 +217,11 @@ class DistillSection(pydantic.BaseModel):
       description="Attention transfer: the weight of the loss between the matched layers' attention probabilities "
       "(MiniLM, TinyBERT), added to the loss; 0: off. Heads are averaged in groups when the counts differ.",
   )
+  feature_source: Literal["out_projection", "hidden"] = Field(
+      "out_projection",
+      description="What distill_beta's feature loss compares: the attention out-projection activations MaxText sows "
+      "(MaxText's meaning) or each matched decoder layer's output, its hidden state.",
+  )
   feature_projection: Literal["linear", "pool"] = Field(
       "linear",
       description="Feature transfer between different widths: a learned [student emb, teacher emb] map trained and "

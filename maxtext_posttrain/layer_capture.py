@@ -15,6 +15,8 @@ masks exactly as the model applies them, and gradients reach the student's weigh
   config has distill_beta > 0 (its distillation reads them then, and its config validation allows that only with
   scan_layers=true); a model built without it sows none, so `enable_capture(features=True)` refuses it rather than
   returning nothing.
+- Hidden states: each decoder layer (`decoder.get_layers()`) is retyped likewise to sow the output it returns, the
+  residual stream after the layer (FitNets' hint; TinyBERT's hidden-state loss), again a no-op outside the capture.
 
 `forward_with_captures` runs the model under `nnx.capture`, which collects the sown values through MaxText's layer
 scan and leaves nothing on the model (repeated calls do not accumulate), and stacks them over the decoder's layers.
@@ -37,6 +39,7 @@ from maxtext_posttrain import forward
 
 ATTENTION = "attention_probs"
 FEATURES = "out_projection_activations"  # the name MaxText's Attention sows under
+HIDDEN = "hidden_states"
 
 
 _CAPTURING_CLASSES: dict[type, type] = {}
@@ -68,15 +71,41 @@ def _capturing_class(base: type) -> type:
   return _CAPTURING_CLASSES[base]
 
 
-def enable_capture(model: nnx.Module, attention: bool = True, features: bool = False) -> nnx.Module:
-  """`model`, whose `forward_with_captures` returns its attention probabilities (`attention`) and out-projection
-  activations (`features`: the model's config must have distill_beta > 0, which makes MaxText sow them). Idempotent;
+_HIDDEN_CLASSES: dict[type, type] = {}
+
+
+def _hidden_class(base: type) -> type:
+  """`base`, a MaxText decoder layer class, whose call also sows its output, the layer's hidden state (`base`
+  itself if it does already). One subclass per class, as `_capturing_class`."""
+  if issubclass(base, tuple(_HIDDEN_CLASSES.values())):
+    return base
+  if base not in _HIDDEN_CLASSES:
+
+    class HiddenSowing(base):
+
+      def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        self.sow(nnx.Intermediate, HIDDEN, out[0] if isinstance(out, tuple) else out, capture_noop=True)
+        return out
+
+    HiddenSowing.__name__ = HiddenSowing.__qualname__ = f"HiddenSowing{base.__name__}"
+    _HIDDEN_CLASSES[base] = HiddenSowing
+  return _HIDDEN_CLASSES[base]
+
+
+def enable_capture(model: nnx.Module, attention: bool = True, features: bool = False, hidden: bool = False) -> nnx.Module:
+  """`model`, whose `forward_with_captures` returns its attention probabilities (`attention`), out-projection
+  activations (`features`: the model's config must have distill_beta > 0, which makes MaxText sow them) and its
+  decoder layers' outputs (`hidden`: each layer retyped as the attention ops are, to sow what it returns). Idempotent;
   apply it before `nnx.split` (or inside a role's model initializer) so that the graph definition carries it."""
   if features and model.config.distill_beta <= 0:
     raise ValueError(
         f"Out-projection activations are sown by MaxText only when distill_beta > 0 (the model's config has "
         f"distill_beta={model.config.distill_beta}): build the model with a positive distill_beta."
     )
+  if hidden:
+    for layer in model.decoder.get_layers():
+      layer.__class__ = _hidden_class(type(layer))
   if attention:
     for path, module in nnx.iter_modules(model):
       if not isinstance(module, attention_op.AttentionOp):
@@ -100,12 +129,15 @@ class Captures:
       (float32 with float32_logits or a float32 model); None without attention capture.
     features: [layers, B, T, emb_dim] attention out-projection activations in the model's dtype; None unless
       distill_beta > 0.
+    hidden: [layers, B, T, emb_dim] each decoder layer's output (the last one's is the hidden state MaxText's final
+      norm and LM head read); None without hidden capture.
     intermediates: everything sown during the call, by module path, as `nnx.capture` returns it: the capture collects
       MaxText's other sown values too (e.g. a MoE load-balance loss), which are found here instead of on the model.
   """
 
   attention: jax.Array | None
   features: jax.Array | None
+  hidden: jax.Array | None
   intermediates: nnx.State
 
 
@@ -143,5 +175,6 @@ def forward_with_captures(
   return logits, Captures(
       attention=stacked(model, intermediates, ATTENTION),
       features=stacked(model, intermediates, FEATURES),
+      hidden=stacked(model, intermediates, HIDDEN),
       intermediates=intermediates,
   )

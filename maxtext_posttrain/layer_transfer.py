@@ -1,8 +1,9 @@
 """Feature and attention transfer between matched student and teacher layers, for `posttrain_mode=distill`.
 
 MaxText's keys keep their meaning: `distill_beta` weighs the feature loss (`distill_feature_loss_type` cosine or
-l2) on the attention out-projection activations that MaxText sows when distill_beta > 0, at the layers
-`distill_layer_indices` (all layers when unset); `distill_beta_end` / `distill_beta_schedule` anneal it. MaxText
+l2) on the attention out-projection activations that MaxText sows when distill_beta > 0 (or, with
+`distill.feature_source=hidden`, on the decoder layers' outputs, FitNets' and TinyBERT's hidden states), at the
+layers `distill_layer_indices` (all layers when unset); `distill_beta_end` / `distill_beta_schedule` anneal it. MaxText
 takes the same indices in both models; `distill.teacher_layer_indices` names other teacher layers, in order, for a
 teacher of another depth. `distill.attention_weight` adds attention transfer (MiniLM, TinyBERT) between the same
 layers' attention probabilities (`layer_capture`: MaxText's own softmax), with head counts averaged in groups when
@@ -125,7 +126,9 @@ def transfer_losses(
   terms = {}
   count = len(layers.student)
   if config.distill_beta > 0:
-    s, t = student.features[jnp.array(layers.student)], teacher.features[jnp.array(layers.teacher)]
+    source = "hidden" if config_lib.distill(config).feature_source == "hidden" else "features"
+    s = getattr(student, source)[jnp.array(layers.student)]
+    t = getattr(teacher, source)[jnp.array(layers.teacher)]
     if has_projection(model):
       s = jnp.einsum("...d,de->...e", s, getattr(model, PROJECTION).get_value().astype(s.dtype))
     width = min(s.shape[-1], t.shape[-1])

@@ -101,11 +101,12 @@ def test_bad_layer_settings_fail_at_start_naming_them(make_config, deep_sft_chec
 
 
 def test_a_narrower_student_learns_a_feature_map_that_decoding_leaves_out(make_config, deep_sft_checkpoint):
-  """A 64-wide student against the 128-wide teacher: its features meet the teacher's through its own
-  [64, 128] `distill_projection` (numpy), which the optimizer moves, while the weights decoding reads are MaxText's
-  model's alone."""
+  """A 64-wide student against the 128-wide teacher, on hidden states (distill.feature_source=hidden): its layers'
+  outputs meet the teacher's through its own [64, 128] `distill_projection` (numpy), which the optimizer moves, while
+  the weights decoding reads are MaxText's model's alone."""
   config = make_config(*_overrides(deep_sft_checkpoint, "base_emb_dim=64", "head_dim=16", "distill.attention_weight=0",
-                                   "steps=3", "eval_interval=0"), config_file="distill.yml")  # fmt: skip
+                                   "distill.feature_source=hidden", "steps=3", "eval_interval=0"),
+                       config_file="distill.yml")  # fmt: skip
   loop = trainer.setup(config)
   student = loop.policy()
   kernel = np.asarray(getattr(student, layer_transfer.PROJECTION).get_value(), np.float64)
@@ -118,7 +119,7 @@ def test_a_narrower_student_learns_a_feature_map_that_decoding_leaves_out(make_c
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   (_, s), (_, t) = (layer_capture.forward_with_captures(m, *inputs) for m in (student, teacher))
   mask = np.asarray(batch["targets_segmentation"]) != 0
-  s_features, t_features = np.asarray(s.features, np.float64) @ kernel, np.asarray(t.features, np.float64)
+  s_features, t_features = np.asarray(s.hidden, np.float64) @ kernel, np.asarray(t.hidden, np.float64)
   feature = np.mean([_cosine_distance(s_features[i], t_features[j])[mask].mean() for i, j in ((0, 1), (1, 3))])
   np.testing.assert_allclose(float(out.metrics["feature_loss"] / out.weight), feature, rtol=1e-4)
   trainer.train(loop)

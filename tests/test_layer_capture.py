@@ -42,6 +42,7 @@ class _Run:
   model: nnx.Module  # with capture enabled (and the query and key sown)
   plain_logits: jax.Array  # the same weights before capture was enabled
   maxtext_features: jax.Array | None  # MaxText's own read of its sown out-projection activations
+  final_hidden: jax.Array  # the decoder's last hidden state (before the final norm), as MaxText's decoder returns it
   logits: jax.Array
   captures: layer_capture.Captures
   again: layer_capture.Captures  # a second call on the same module
@@ -62,13 +63,22 @@ def _run(tmp_path_factory, tfds_dir, *overrides) -> _Run:
     def plain(state):
       model = nnx.merge(graphdef, state)
       logits = forward.logits(model, *args)
-      return logits, maxtext_utils.get_intermediate_value(model, "out_projection_activations", clear=True)
+      features = maxtext_utils.get_intermediate_value(model, "out_projection_activations", clear=True)
+      _, hidden, _ = model.decoder(
+          shared_embedding=model.token_embedder,
+          decoder_input_tokens=INPUTS,
+          decoder_positions=POSITIONS,
+          decoder_segment_ids=SEGMENTATION,
+          deterministic=True,
+          model_mode="train",
+      )
+      return logits, features, hidden
 
-    plain_logits, maxtext_features = plain(state)
+    plain_logits, maxtext_features, final_hidden = plain(state)
     for _, module in nnx.iter_modules(model):
       if isinstance(module, attention_op.AttentionOp):
         module.__class__ = _QueryKeySowing
-    layer_capture.enable_capture(model, features=config.distill_beta > 0)
+    layer_capture.enable_capture(model, features=config.distill_beta > 0, hidden=True)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -78,7 +88,7 @@ def _run(tmp_path_factory, tfds_dir, *overrides) -> _Run:
       _, again = layer_capture.forward_with_captures(model, *args)
       return logits, captures, again, nnx.state(model, nnx.Intermediate)
 
-    return _Run(config, mesh, model, plain_logits, maxtext_features, *captured(state))
+    return _Run(config, mesh, model, plain_logits, maxtext_features, final_hidden, *captured(state))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +130,16 @@ def test_features_are_the_out_projection_activations_maxtext_sows(scanned):
   features = scanned.captures.features
   assert features.shape == (scanned.config.num_decoder_layers, *SEGMENTATION.shape, scanned.config.emb_dim)
   np.testing.assert_array_equal(features, scanned.maxtext_features)
+
+
+@pytest.mark.parametrize("name", ["scanned", "unscanned"])
+def test_hidden_states_are_each_decoder_layers_output(name, request):
+  """[layers, B, T, emb]: the last is the hidden state MaxText's decoder hands its final norm and LM head."""
+  run = request.getfixturevalue(name)
+  hidden = run.captures.hidden
+  assert hidden.shape == (run.config.num_decoder_layers, *SEGMENTATION.shape, run.config.emb_dim)
+  np.testing.assert_array_equal(hidden[-1], run.final_hidden)
+  assert not np.allclose(hidden[0], hidden[-1])
 
 
 @pytest.mark.parametrize("name", ["scanned", "unscanned"])

@@ -122,7 +122,11 @@ class Distill(SFT):
     MaxText sows when the model's config has distill_beta > 0, which the teacher's gets from the run's); returns the
     matched layers."""
     config = self.config
-    capture = functools.partial(layer_capture.enable_capture, attention=self.section.attention_weight > 0)
+    capture = functools.partial(
+        layer_capture.enable_capture,
+        attention=self.section.attention_weight > 0,
+        hidden=config.distill_beta > 0 and self.section.feature_source == "hidden",
+    )
     policy, teacher = self.roles
     overrides = {"distill_beta": config.distill_beta} | dict(teacher.overrides)
     teacher = dataclasses.replace(teacher, overrides=overrides, prepare=capture)
