@@ -1,6 +1,7 @@
 """Distillation (posttrain_mode=distill): a 2-layer student learning from the session's 4-layer SFT teacher."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -145,6 +146,20 @@ def test_alpha_and_temperature_follow_maxtexts_schedules(make_config, deep_sft_c
   for step in range(4):
     np.testing.assert_allclose(rows[step]["learning/distill_alpha"], 0.5 - 0.4 * step / 4, rtol=1e-5)
     np.testing.assert_allclose(rows[step]["learning/distill_temperature"], 2.0 - np.cos(np.pi * step / 4), rtol=1e-5)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_paths(make_config, tmp_path):
+  """Another tokenizer file would read the student's ids as other text, so the teacher's config is refused at start,
+  before any model is built."""
+  other = tmp_path / "other.model"
+  shutil.copy(make_config(config_file="distill.yml").tokenizer_path, other)
+  config = make_config(
+      "teacher_overrides.load_parameters_path=/unused", f"teacher_overrides.tokenizer_path={other}",
+      config_file="distill.yml",
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=rf"Role teacher \(teacher_overrides\) reads other tokens than the policy: "
+                     rf"tokenizer_path='{other}' \(policy: '.*arithmetic.model'\)"):  # fmt: skip
+    roles.role_config(config, roles.teacher(config, "this test"))
 
 
 def test_command_line_keys_are_the_students_as_in_maxtext(make_config, deep_sft_checkpoint):
