@@ -3,15 +3,15 @@
 # after another so that timings do not share the CPU, and keeps each command's output in <output dir>/<name>.log.
 # Run it in a clean clone of the commit whose README it checks, after `make env`:
 #
-#   bash scripts/readme_figures.sh /tmp/figures            # everything (about 45 minutes on 2 CPU cores)
-#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, bench
+#   bash scripts/readme_figures.sh /tmp/figures            # everything (about 55 minutes on 2 CPU cores)
+#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, distill, bench
 #
 # The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
 set -euo pipefail
 
-OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [bench]}")
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [bench]}")
 shift
-GROUPS_WANTED=${*:-demo dpo rm bench}
+GROUPS_WANTED=${*:-demo dpo rm distill bench}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
 export JAX_PLATFORMS=cpu
@@ -57,6 +57,13 @@ if wanted rm; then  # the reward model starts from a 4-layer SFT model
     load_parameters_path="$OUT/rm/sft4/checkpoints/199/items" base_num_decoder_layers=4 enable_checkpointing=false
 fi
 
+if wanted distill; then
+  run demo_distill "$PY" -m maxtext_posttrain.demo --mode=distill --output_dir="$OUT/distill"
+  run score_teacher "$PY" -m maxtext_posttrain.score_teacher distill.yml run_name=score \
+    base_output_directory="$OUT/distill" offline_data_dir="$OUT/distill/logits" distill.top_k=16 \
+    teacher_overrides.load_parameters_path="$OUT/distill/demo_teacher/checkpoints/299/items"
+fi
+
 if wanted bench; then
   cd "$OUT"  # the benchmarks write their JSON rows into the working directory
   export PYTHONPATH=$OLDPWD
@@ -68,6 +75,7 @@ if wanted bench; then
   run bench_dpo "$PY" -m benchmarks.dpo_vs_pretrain --repeats=5
   run bench_grpo "$PY" -m benchmarks.grpo_vs_pretrain --repeats=5
   run bench_ppo "$PY" -m benchmarks.ppo_vs_pretrain --repeats=5
+  run bench_distill "$PY" -m benchmarks.distill_vs_pretrain --repeats=5
   run bench_decode "$PY" -m benchmarks.decode --repeats=3 --baseline_steps=16
   run bench_peft "$PY" -m benchmarks.peft_memory --repeats=3 --models=llama2-7b,llama3.1-8b,qwen3-8b,gemma2-9b,qwen3-0.6b
 fi
