@@ -44,12 +44,12 @@ from absl import flags
 import jax
 
 from maxtext.utils import max_logging
-from maxtext.utils import maxtext_utils
 
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import curves
 from maxtext_posttrain import evaluate as evaluate_lib
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import rollout
 from maxtext_posttrain import score_teacher
 from maxtext_posttrain import trainer
@@ -247,7 +247,7 @@ def _held_out_samples(argv: list[str]) -> tuple[Any, list[dict]]:
   """(config, samples): what `python -m maxtext_posttrain.evaluate` with `argv` samples and scores (its
   evaluation.json's samples)."""
   config = posttrain_config.initialize(argv)
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   encoder = pipeline.Encoder.from_config(config)
   prompt_set = prompts_lib.load(config, train=False, limit=config.eval_generation_examples or None, encoder=encoder)
   params = lora.policy_params(lora.pretrained_model(config, mesh), config)

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from maxtext.utils import max_logging
-from maxtext.utils import maxtext_utils
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
@@ -181,7 +181,7 @@ def plot(metrics: dict[str, float], png_path: str, title: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
   config = posttrain_config.initialize(list(argv))
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
   prompt_set = prompts_lib.load(config, train=False, limit=config.eval_generation_examples or None, encoder=encoder)

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import jax
 
-from maxtext.utils import maxtext_utils
 
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.peft import lora
@@ -42,7 +42,7 @@ def _split_args(argv: Sequence[str]) -> tuple[list[str], dict[str, int]]:
 def main(argv: Sequence[str]) -> None:
   argv, own = _split_args(argv)
   config = posttrain_config.initialize(list(argv))
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
   sampler = rollout.Sampler(config, mesh)

@@ -17,10 +17,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from maxtext.utils import max_logging
-from maxtext.utils import maxtext_utils
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import forward
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import progress
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
@@ -77,7 +77,7 @@ def score(config) -> teacher_logits.Metadata:
         f"distill_temperature_end={config.distill_temperature_end}: offline files hold the teacher at one "
         f"temperature (distill_temperature={config.distill_temperature}); a temperature schedule needs the online teacher."
     )
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   teacher = roles.build_frozen(roles.teacher(config, "score_teacher"), config, mesh)
   encoder = pipeline.Encoder.from_config(config)
   splits = {}

@@ -22,10 +22,10 @@ from flax import nnx
 from maxtext.common import data_loader
 from maxtext.common import metric_logger
 from maxtext.utils import max_logging
-from maxtext.utils import maxtext_utils
 from maxtext.utils import sharding
 
 from maxtext_posttrain import manifest
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objective_state
 from maxtext_posttrain import objectives
 from maxtext_posttrain import progress
@@ -137,6 +137,8 @@ class MetricLogger(metric_logger.MetricLogger):
       self.write_metrics_locally({"scalar": scalars}, step)
 
   def write_metrics_locally(self, metrics, step):
+    if jax.process_index() != 0:  # one file per run, not one row per process
+      return
     with open(self.config.metrics_file, "a", encoding="utf-8") as f:
       row = metric_logger._prepare_metrics_for_json(metrics, step, self.config.run_name)  # pylint: disable=protected-access
       f.write(json.dumps(row) + "\n")
@@ -148,7 +150,7 @@ def setup(config) -> Loop:
   check_supported(config)
   lora.validate_config(config)
   objective = objective_class(config)
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   specs = objective.roles
   frozen = {spec.name: roles_lib.build_frozen(spec, config, mesh) for spec in specs if not spec.trained}
   data = objective.make_data(mesh)

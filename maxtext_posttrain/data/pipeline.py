@@ -185,7 +185,7 @@ def prepare_split(config, train: bool, encoder: Encoder | None = None):
   return tokenize_split(sources.open_source(config, train), encoder, config, "train" if train else "eval")
 
 
-def _batches(examples, config, batch, train: bool, shard_index: int, shard_count: int):
+def _batches(examples, config, batch, train: bool, shard_index: int, shard_count: int, batch_size: int):
   """The per-host grain pipeline, as MaxText builds it for dataset_type=grain (shuffle, repeat, shard, batch);
   `batch(dataset, batch_size)` turns examples into batches (MaxText's SFT formatting, or preference pairs)."""
   dataset = grain.MapDataset.source(examples)
@@ -200,11 +200,6 @@ def _batches(examples, config, batch, train: bool, shard_index: int, shard_count
           prefetch_buffer_size=config.grain_prefetch_buffer_size if train else config.grain_prefetch_buffer_size_eval,
       )
   )
-  batch_size = (
-      data_processing_utils.get_local_batch_size(config)
-      if train
-      else config.global_batch_size_to_load_eval // jax.process_count()
-  )
   return data_processing_utils.apply_multiprocessing_and_prefetch(
       batch(dataset, batch_size),
       config,
@@ -213,14 +208,29 @@ def _batches(examples, config, batch, train: bool, shard_index: int, shard_count
   )
 
 
-def _make_iterator(examples, batch, train, config, mesh, process_indices):
+@dataclasses.dataclass(frozen=True)
+class _TakeRows(grain.MapTransform):
+  rows: slice
+
+  def map(self, element):
+    return {k: v[self.rows] for k, v in element.items()}
+
+
+def _make_iterator(examples, batch, train, whole_batches, config, mesh, process_indices):
   """A MultiHostDataLoadIterator over this host's shard (the signature MaxText's create_process_specific_iterator
-  calls)."""
+  calls). With `whole_batches` every host reads the global stream of examples, batches it globally and keeps its
+  own block of rows, so a batch's layout does not depend on the number of processes."""
   batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
   if batch_size % mesh.size:
     raise ValueError(f"Global batch size {batch_size} is not divisible by the {mesh.size} devices of the mesh.")
-  shard_index, shard_count = process_indices.index(jax.process_index()), len(process_indices)
-  dataloader = _batches(examples, config, batch, train, shard_index, shard_count)
+  if whole_batches:
+    rows = process_rows(maxtext_sharding.get_input_data_sharding(config, mesh), (batch_size, config.max_target_length))
+    whole = lambda dataset, size: batch(dataset, size).map(_TakeRows(rows))
+    dataloader = _batches(examples, config, whole, train, 0, 1, batch_size)
+  else:
+    shard_index, shard_count = process_indices.index(jax.process_index()), len(process_indices)
+    local_batch_size = data_processing_utils.get_local_batch_size(config) if train else batch_size // jax.process_count()
+    dataloader = _batches(examples, config, batch, train, shard_index, shard_count, local_batch_size)
   return multihost_dataloading.MultiHostDataLoadIterator(
       dataloader,
       mesh,
@@ -229,23 +239,70 @@ def _make_iterator(examples, batch, train, config, mesh, process_indices):
   )
 
 
-def host_iterator(examples, batch, config, mesh, train: bool):
+def host_iterator(examples, batch, config, mesh, train: bool, whole_batches: bool = False):
   """This process's iterator of global batches over `examples` (a grain source), or MaxText's placeholder when it
-  loads no real data; `batch(dataset, batch_size)` forms the batches."""
+  loads no real data; `batch(dataset, batch_size)` forms the batches. By default each host reads its shard of the
+  examples (MaxText's layout); `whole_batches` as in `_make_iterator` (cheap example streams: prompt indices)."""
   batch_size = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
   batch_size_on = config.global_batch_size_to_train_on if train else config.global_batch_size_to_eval_on
   process_indices = input_pipeline_interface.get_process_loading_real_data(
       config.data_sharding, batch_size, batch_size_on, config.max_target_length, mesh
   )
-  make = functools.partial(_make_iterator, examples, batch, train)
+  make = functools.partial(_make_iterator, examples, batch, train, whole_batches)
   return input_pipeline_interface.create_process_specific_iterator(config, mesh, process_indices, make, train)
 
 
 def global_batch(rows: dict[str, np.ndarray], config, mesh) -> dict[str, jax.Array]:
-  """Host arrays that every process holds whole (rollout rows, reference scoring batches) as global arrays on the
+  """Host arrays that every process holds whole (reference scoring batches, evaluation) as global arrays on the
   input data sharding, each process placing the slices its devices hold."""
   sharding = maxtext_sharding.get_input_data_sharding(config, mesh)
   return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in rows.items()}
+
+
+def batch_sharding(config, mesh, ndim: int) -> jax.sharding.NamedSharding:
+  """The input data sharding of the batch axis for an array of `ndim` dimensions (other axes replicated)."""
+  batch_spec = maxtext_sharding.get_input_data_sharding(config, mesh).spec[0]
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_spec, *([None] * (ndim - 1))))
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
+  """The rows of a batch of `shape` on `sharding` that this process's devices hold: one contiguous block of
+  1/process_count of them, as MaxText's loaders lay batches out (a mesh whose batch axis does not split across
+  processes that way cannot take process-local rows: ValueError)."""
+  rows = [index[0] for index in sharding.addressable_devices_indices_map(tuple(shape)).values()]
+  block = slice(min(r.start or 0 for r in rows), max(shape[0] if r.stop is None else r.stop for r in rows))
+  if shape[0] % jax.process_count() or block.stop - block.start != shape[0] // jax.process_count():
+    raise ValueError(
+        f"The batch sharding {sharding} gives process {jax.process_index()} rows {block.start}..{block.stop} of "
+        f"{shape[0]}, not one block of 1/{jax.process_count()} of them; process-local rows need the batch axis "
+        "split across processes (dcn_data_parallelism, or ICI axes laid over the processes)."
+    )
+  return block
+
+
+def process_local_batch(rows: dict[str, np.ndarray], config, mesh) -> dict[str, jax.Array]:
+  """This process's rows (rollouts it sampled and scored) as its block of global arrays on the input data sharding;
+  every process passes the same number of rows."""
+  out = {}
+  for key, value in rows.items():
+    sharding = batch_sharding(config, mesh, value.ndim)
+    global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
+    process_rows(sharding, global_shape)  # fails clearly on a mesh that cannot take process-local rows
+    out[key] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+  return out
+
+
+def local_rows(array: jax.Array) -> np.ndarray:
+  """This process's block of rows of a global array sharded on its first axis (see `process_rows`), on the host."""
+  block = process_rows(array.sharding, array.shape)
+  pieces = {}
+  for shard in array.addressable_shards:
+    if any(index != slice(None) and index != slice(0, size) for index, size in zip(shard.index[1:], array.shape[1:])):
+      raise ValueError(f"Array of shape {array.shape} on {array.sharding} is split past its first axis.")
+    pieces.setdefault(shard.index[0].start or 0, shard.data)
+  local = np.concatenate([np.asarray(pieces[start]) for start in sorted(pieces)])
+  assert len(local) == block.stop - block.start, (array.shape, array.sharding)
+  return local
 
 
 def check_supported(config):

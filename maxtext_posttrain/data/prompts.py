@@ -59,7 +59,9 @@ def load(config, train: bool, limit: int | None = None, encoder: pipeline.Encode
 def make_prompt_iterator(config, mesh, prompts: PromptSet):
   """Global batches {INDEX_KEY: [prompts per step, max_target_length] int32}, each row one prompt's index repeated.
 
-  The rows span the sequence axis because MaxText's input sharding is two-dimensional (batch, length).
+  The rows span the sequence axis because MaxText's input sharding is two-dimensional (batch, length). Every host
+  walks the same stream of indices and keeps its block of each batch (`whole_batches`), so a step's prompts sit at
+  the same rows on 1 or N processes: a row's sampling key depends on its row, so rollouts are the same too.
   """
   pipeline.check_supported(config)
   length = config.max_target_length
@@ -69,4 +71,4 @@ def make_prompt_iterator(config, mesh, prompts: PromptSet):
     return dataset.map(lambda b: {INDEX_KEY: np.repeat(b[INDEX_KEY][:, None], length, axis=1)})
 
   max_logging.log(f"RL prompts: {prompts.describe()}")
-  return pipeline.host_iterator(prompts, batch, config, mesh, train=True)
+  return pipeline.host_iterator(prompts, batch, config, mesh, train=True, whole_batches=True)

@@ -35,7 +35,7 @@ from maxtext_posttrain.data import pipeline
 # Imported as a module, not from the package: the package's __init__ imports this module.
 import maxtext_posttrain.objectives.distill as distill
 from maxtext_posttrain.objectives.base import LossOutput, register
-from maxtext_posttrain.objectives.rl_base import RLObjective, training_rows
+from maxtext_posttrain.objectives.rl_base import RLObjective, gathered, training_rows
 
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", distill.TEMPERATURE_KEY)
 
@@ -91,7 +91,7 @@ class DistillOnPolicy(RLObjective):
     if on_policy:
       out = self.sample(loop, indices, 0, metrics)
       prompts, completions = out.prompts, out.completions
-      metrics |= {"rl/reward_mean": float(out.rewards.mean()), "rl/reward_errors": self.reward_errors()}
+      metrics |= {"rl/reward_mean": float(gathered(out.rewards).mean()), "rl/reward_errors": self.reward_errors()}
     else:
       prompts, completions = self.reference_completions(indices)
     rows = training_rows(prompts, completions, None, self.config.max_target_length)
@@ -99,7 +99,7 @@ class DistillOnPolicy(RLObjective):
     rows[distill.TEMPERATURE_KEY] = np.full(rows["inputs"].shape, temperature, np.float32)
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer
     self.step_metrics = metrics
-    return pipeline.global_batch(rows, self.config, loop.mesh)
+    return pipeline.process_local_batch(rows, self.config, loop.mesh)
 
   def reference_completions(self, indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, completions) of the off-policy rows: each prompt `rl.num_generations` times, as the sampler would

@@ -27,7 +27,7 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives.rl_base import RLObjective, ROW_KEYS, check_cycle, token_logps, training_rows
+from maxtext_posttrain.objectives.rl_base import RLObjective, ROW_KEYS, check_cycle, gathered, token_logps, training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register
 
 REFERENCE_KEY = "reference_logps"
@@ -86,18 +86,20 @@ class GRPO(RLObjective):
       rounds += 1
       first_round = first_round or sampled
       groups += sampled
-      informative = sum(g.informative for g in groups)
-      if not self.rl.dynamic_sampling or informative >= num_prompts or rounds == self.rl.max_sampling_rounds:
+      if not self.rl.dynamic_sampling or rounds == self.rl.max_sampling_rounds:
+        break
+      # Every process samples again until each has informative groups for all its prompts (sampling is collective).
+      if gathered(np.array([sum(g.informative for g in groups) >= num_prompts])).all():
         break
       indices = self.indices(loop.train_batches.load_next_batch())
     groups, masked = self._select(groups, num_prompts)
-    rewards = np.concatenate([g.rewards for g in first_round])
+    rewards = gathered(np.stack([g.rewards for g in first_round]))  # [prompts of the whole batch, G]
     metrics |= {
         "rl/reward_mean": float(rewards.mean()),
         "rl/reward_std": float(rewards.std()),
-        "rl/zero_variance_fraction": float(np.mean([not g.informative for g in first_round])),
+        "rl/zero_variance_fraction": float(np.mean(np.all(rewards == rewards[:, :1], axis=1))),
         "rl/sampling_rounds": float(rounds),
-        "rl/masked_groups": float(masked),
+        "rl/masked_groups": float(gathered(np.array([masked])).sum()),
         "rl/reward_errors": self.reward_errors(),
     }
     batch = self._device_batch(loop, groups, masked)
@@ -140,7 +142,8 @@ class GRPO(RLObjective):
     return informative + filler, len(filler)
 
   def _device_batch(self, loop, groups: list[_Group], masked: int) -> dict[str, jax.Array]:
-    """The groups' training rows with their advantages, placed on the input sharding."""
+    """This process's groups' training rows with their advantages (a group's G rows stay on the process that
+    sampled them), as its block of the global batch."""
     config, rl = self.config, self.rl
     rewards = np.concatenate([g.rewards for g in groups])
     advantages = np.asarray(
@@ -157,7 +160,7 @@ class GRPO(RLObjective):
     if masked:
       rows["completion_mask"][-masked * rl.num_generations :] = 0
     rows["advantages"] = np.repeat(advantages[:, None].astype(np.float32), config.max_target_length, axis=1)
-    return pipeline.global_batch(rows, config, loop.mesh)
+    return pipeline.process_local_batch(rows, config, loop.mesh)
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     config, rl = self.config, self.rl

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
@@ -31,7 +30,7 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
-from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, RLObjective, ROW_KEYS, check_cycle, token_logps
+from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, RLObjective, ROW_KEYS, check_cycle, gathered, token_logps
 from maxtext_posttrain.objectives.rl_base import training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register
 
@@ -180,22 +179,24 @@ class PPO(RLObjective):
       self._sample_rollout(loop, batch)
     position = loop.step - self._rollout_step
     epoch, minibatch = divmod(position, self.ppo.num_minibatches)
-    rows = np.arange(len(self._rollout["inputs"]))
+    rows = np.arange(len(self._rollout["inputs"]))  # this process's rollouts: each minibatch takes its share
     if self.ppo.num_minibatches > 1:
       rows = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(rows)
-    rows = rows[minibatch * self.minibatch_rows : (minibatch + 1) * self.minibatch_rows]
+    minibatch_rows = self.minibatch_rows // jax.process_count()
+    rows = rows[minibatch * minibatch_rows : (minibatch + 1) * minibatch_rows]
     if batch is None:
       self.step_metrics = {"rl/iteration": float(epoch), "rl/minibatch": float(minibatch)}
     else:
       self.step_metrics |= {"rl/iteration": 0.0, "rl/minibatch": 0.0}
-    return pipeline.global_batch({k: v[rows] for k, v in self._rollout.items()}, self.config, loop.mesh)
+    return pipeline.process_local_batch({k: v[rows] for k, v in self._rollout.items()}, self.config, loop.mesh)
 
   def _sample_rollout(self, loop, batch) -> None:
-    """Samples and scores this step's rollouts and computes their advantages and returns (host copies kept)."""
+    """Samples and scores this process's rollouts and computes the batch's advantages and returns (this process's
+    rows kept on the host)."""
     timer, metrics = time.perf_counter(), {}
     out = self.sample(loop, self.indices(batch), 0, metrics)
     rows = training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
-    device = pipeline.global_batch(rows, self.config, loop.mesh)
+    device = pipeline.process_local_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
       device["old_logps"] = loop.trained[roles.POLICY].run(self.target_logps, device, temperature)
@@ -208,7 +209,7 @@ class PPO(RLObjective):
     values = jax.block_until_ready(loop.trained[CRITIC].run(self._values, device))
     metrics["rl/critic_forward_seconds"] = time.perf_counter() - start
     mask = device["completion_mask"]
-    scores = pipeline.global_batch({"scores": out.rewards.astype(np.float32)}, self.config, loop.mesh)["scores"]
+    scores = pipeline.process_local_batch({"scores": out.rewards.astype(np.float32)}, self.config, loop.mesh)["scores"]
     advantages, returns, stats, finite = self._advantages(
         scores,
         device["old_logps"],
@@ -228,22 +229,23 @@ class PPO(RLObjective):
             f"PPO step {loop.step}: the rollout's {quantity} are not finite (NaN or inf); the step was not taken and "
             "no checkpoint was written for it."
         )
-    host = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in device.items()}
+    host = {k: pipeline.local_rows(v) for k, v in device.items()}
     host |= {
-        "advantages": np.asarray(multihost_utils.process_allgather(advantages, tiled=True)),
-        "returns": np.asarray(multihost_utils.process_allgather(returns, tiled=True)),
-        "old_values": np.asarray(multihost_utils.process_allgather(values, tiled=True)),
+        "advantages": pipeline.local_rows(advantages),
+        "returns": pipeline.local_rows(returns),
+        "old_values": pipeline.local_rows(values),
     }
     if self.kl_in_loss:
-      host[REFERENCE_KEY] = np.asarray(multihost_utils.process_allgather(reference_logps, tiled=True))
+      host[REFERENCE_KEY] = pipeline.local_rows(reference_logps)
       host[KL_COEF_KEY] = np.full(len(host["inputs"]), self.kl_controller.value, np.float32)
     stats = {k: float(v) for k, v in stats.items()}
     metrics |= stats | {"rl/kl_coef": self.kl_controller.value}
     if self.use_reference:
-      self.kl_controller.update(stats["rl/kl"], len(host["inputs"]))
+      self.kl_controller.update(stats["rl/kl"], len(host["inputs"]) * jax.process_count())
+    rewards = gathered(out.rewards)
     metrics |= {
-        "rl/reward_mean": float(out.rewards.mean()),
-        "rl/reward_std": float(out.rewards.std()),
+        "rl/reward_mean": float(rewards.mean()),
+        "rl/reward_std": float(rewards.std()),
         "rl/reward_errors": self.reward_errors(),
         "rl/before_step_seconds": time.perf_counter() - timer,
     }

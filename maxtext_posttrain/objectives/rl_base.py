@@ -138,9 +138,15 @@ def check_cycle(config, steps_per_rollout: int, what: str) -> None:
     )
 
 
+def gathered(values: np.ndarray) -> np.ndarray:
+  """Every process's `values` (rows of its part of the batch), concatenated in process order: the whole batch's
+  rows, for statistics and decisions all processes must share."""
+  return np.asarray(multihost_utils.process_allgather(np.asarray(values), tiled=True))
+
+
 @dataclasses.dataclass
 class Rollouts:
-  """Sampled completions of a batch of prompts, scored; row r is sample r % n of prompt r // n."""
+  """Sampled completions of this process's prompts, scored; row r is sample r % n of prompt r // n."""
 
   prompts: list[list[int]]  # per row, as the sampler saw it (left-truncated when longer than the prefill length)
   completions: list[list[int]]
@@ -186,18 +192,21 @@ class RLObjective(Objective):
     return ObjectiveData(train=iterator, eval=None, description=description)
 
   def reward_errors(self) -> float:
-    """Failed reward-function rows so far (scored 0 under rl.reward_on_error=zero)."""
-    return float(sum(self.rewards.errors.values())) if self.rewards is not None else 0.0
+    """Failed reward-function rows so far, on all processes (scored 0 under rl.reward_on_error=zero)."""
+    errors = float(sum(self.rewards.errors.values())) if self.rewards is not None else 0.0
+    return float(gathered(np.array([errors], np.float32)).sum())
 
   def after_step(self, loop, step, metrics):
     metrics["scalar"].update(self.step_metrics)
 
   def indices(self, batch) -> list[int]:
-    """This step's prompt indices (every process gets the whole global batch)."""
-    return [int(i) for i in np.asarray(multihost_utils.process_allgather(batch[prompts_lib.INDEX_KEY], tiled=True))[:, 0]]
+    """This process's prompts of the step: the indices in its block of the batch's rows."""
+    return [int(i) for i in pipeline.local_rows(batch[prompts_lib.INDEX_KEY])[:, 0]]
 
   def sample(self, loop, indices: list[int], round_index: int, metrics: dict | None) -> Rollouts:
-    """`rl.num_generations` completions for each prompt, scored; adds rollout statistics to `metrics` (if given)."""
+    """`rl.num_generations` completions for each of this process's prompts, sampled (`process_local`) and scored
+    here, each row once, on the process that owns it; adds the whole batch's rollout statistics to `metrics` (if
+    given)."""
     rl, prompt_set = self.rl, self.train_prompts
     num_samples = rl.num_generations
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(rl.sampling_seed), loop.step), round_index)
@@ -210,6 +219,7 @@ class RLObjective(Objective):
         rng,
         self.sampling,
         num_samples=num_samples,
+        process_local=True,
     )
     rollout_seconds = time.perf_counter() - start
     completions = out.completions()
@@ -228,15 +238,19 @@ class RLObjective(Objective):
     penalty = shaping.overlong_penalty(out.lengths, self.max_new_tokens, rl.overlong_buffer_length, rl.overlong_penalty)
     shaped = total + penalty
     if metrics is not None:
-      metrics |= {f"rl/rewards/{name}": float(np.mean(scores)) for name, scores in per_function.items()}
-      metrics |= {f"rl/rewards/{name}_std": float(np.std(scores)) for name, scores in per_function.items()}
+      reward_seconds = time.perf_counter() - start
+      truncated = np.array([r == "length" for r in out.finish_reasons], np.float32)
+      columns = gathered(np.stack([*per_function.values(), penalty, out.lengths, truncated], axis=1).astype(np.float32))
+      for name, scores in zip(per_function, columns.T):
+        metrics |= {f"rl/rewards/{name}": float(np.mean(scores)), f"rl/rewards/{name}_std": float(np.std(scores))}
+      penalty, lengths, truncated = columns.T[-3:]
       metrics |= {
           "rl/rollout_seconds": rollout_seconds,
-          "rl/reward_seconds": time.perf_counter() - start,
+          "rl/reward_seconds": reward_seconds,
           "rl/overlong_penalty": float(penalty.mean()),
-          "rl/completion_length_mean": float(np.mean(out.lengths)),
-          "rl/completion_length_max": float(np.max(out.lengths)),
-          "rl/truncated_fraction": float(np.mean([r == "length" for r in out.finish_reasons])),
+          "rl/completion_length_mean": float(np.mean(lengths)),
+          "rl/completion_length_max": float(np.max(lengths)),
+          "rl/truncated_fraction": float(np.mean(truncated)),
       }
     return Rollouts(out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped)
 
@@ -249,9 +263,9 @@ class RLObjective(Objective):
         for p, c in zip(prompts, completions)
     ]
     host = {key: np.stack([row[key] for row in rows]) for key in ("inputs", "positions", "segmentation")}
-    batch = pipeline.global_batch(host, config, loop.mesh)
+    batch = pipeline.process_local_batch(host, config, loop.mesh)
     scores = loop.role(REWARD_MODEL).run(forward.last_token_scalars, batch)
-    return np.asarray(multihost_utils.process_allgather(scores, tiled=True), np.float32)
+    return pipeline.local_rows(scores).astype(np.float32)
 
   def target_logps(self, model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
     """[N, L] log-probs of the targets under a model of the policy's kind: the reference's, or the old policy's."""

@@ -21,6 +21,7 @@ from maxtext.utils import train_utils
 from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
 from maxtext_posttrain import trained_model
 from maxtext_posttrain.peft import adapter_checkpoint
@@ -36,7 +37,7 @@ def adapter_model(config) -> tuple[nnx.Module, int]:
   if not config.lora.enable_lora:
     raise ValueError("Export merges LoRA adapters: set lora.enable_lora=true and the lora.* keys of the run.")
   lora.validate_config(config)
-  mesh = maxtext_utils.get_mesh_from_config(config)
+  mesh = mesh_lib.make_mesh(config)
   init_state_fn, _ = trained_model.state_initializer(config, mesh, roles.policy())
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)

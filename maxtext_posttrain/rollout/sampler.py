@@ -26,6 +26,7 @@ layer stack), the decode graph stays scanned and takes the params as they are.
 from collections.abc import Callable
 import dataclasses
 import functools
+import math
 
 from flax import nnx
 from flax import linen as nn
@@ -304,6 +305,7 @@ class Sampler:
       num_samples: int = 1,
       stop_ids: tuple[int, ...] = (),
       truncate_prompts: bool | None = None,
+      process_local: bool = False,
   ) -> Rollouts:
     """Samples `num_samples` completions of each prompt; each prompt is prefilled once.
 
@@ -320,20 +322,26 @@ class Sampler:
       stop_ids: more tokens that stop a sample like `eos_id`.
       truncate_prompts: prompts longer than max_prefill_predict_length lose their left end (counted in the result)
         when true and are an error when false; None follows `overlong_policy`.
+      process_local: false: every process passes the same prompts and gets every row back. True: each process
+        passes its own prompts (the same number on every process), which take its block of the batch's rows
+        (`pipeline.process_rows`), and gets back only its rows; row keys are global row numbers, so N processes
+        sample what one process sampling all their prompts in process order would.
     """
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:
       truncate_prompts = self.config.overlong_policy == "truncate"
     prompts, num_truncated = self._truncate(prompts, truncate_prompts)
-    tokens, lengths = self._pad(prompts)
+    inputs = self._process_local_inputs(prompts) if process_local else self._inputs(prompts)
+    tokens = inputs[0]
     graphs, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
     params = self._on_mesh(params)
-    active = np.arange(tokens.shape[0]) < len(prompts)
     stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
-      out = decode(params, tokens, lengths, active, stops, rng)
-    # Gathered rather than fetched: on a multi-host mesh no process holds the whole batch.
-    out, out_logprobs, out_lengths = multihost_utils.process_allgather(out, tiled=True)
+      out = decode(params, *inputs, stops, rng)
+    if process_local:
+      out, out_logprobs, out_lengths = (pipeline.local_rows(x) for x in out)
+    else:  # gathered rather than fetched: on a multi-host mesh no process holds the whole batch
+      out, out_logprobs, out_lengths = multihost_utils.process_allgather(out, tiled=True)
     rows = len(prompts) * num_samples
     out, out_logprobs, out_lengths = out[:rows], out_logprobs[:rows], out_lengths[:rows]
     stop_set = set(stops.tolist())
@@ -410,15 +418,30 @@ class Sampler:
     bucket = min(self.prefill_length, max(_MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length()))
     return -(-num_prompts // self.batch_multiple) * self.batch_multiple, bucket
 
-  def _pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts to their bucket and the batch to a multiple of its sharding (with 1-token rows)."""
+  def _inputs(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, lengths, active) of the whole batch: prompts right-padded to their bucket, the batch padded to a
+    multiple of its sharding with inactive 1-token rows."""
     batch, bucket = self._shape(len(prompts), max(len(p) for p in prompts))
-    tokens = np.full((batch, bucket), _PAD_ID, dtype=np.int32)
-    lengths = np.ones((batch,), dtype=np.int32)
-    for i, prompt in enumerate(prompts):
-      tokens[i, : len(prompt)] = prompt
-      lengths[i] = len(prompt)
-    return tokens, lengths
+    return _pad(prompts, batch, bucket)
+
+  def _process_local_inputs(self, prompts: list[list[int]]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, lengths, active) as global arrays on the batch sharding, this process's prompts in its block of
+    rows; the bucket is the longest prompt of any process, so all run the same program."""
+    counts_and_longest = multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))], np.int32))
+    counts_and_longest = np.asarray(counts_and_longest).reshape(-1, 2)
+    if len(set(counts_and_longest[:, 0].tolist())) > 1:
+      raise ValueError(f"process_local sampling needs as many prompts on every process, got {counts_and_longest[:, 0]}.")
+    num_processes = jax.process_count()
+    _, bucket = self._shape(len(prompts), int(counts_and_longest[:, 1].max()))
+    multiple = math.lcm(self.batch_multiple, num_processes)
+    batch = -(-len(prompts) * num_processes // multiple) * multiple
+    local = _pad(prompts, batch // num_processes, bucket)
+    return tuple(
+        jax.make_array_from_process_local_data(
+            pipeline.batch_sharding(self.config, self.mesh, x.ndim), x, (batch, *x.shape[1:])
+        )
+        for x in local
+    )
 
   def _program(
       self, batch: int, prefill_length: int, num_samples: int, max_new_tokens: int, sampling: SamplingParams
@@ -541,7 +564,22 @@ class Sampler:
       return step + 1, nnx.state(model, nnx.Cache), out, out_logprobs, done | jnp.isin(token, stops), num
 
     _, _, out, out_logprobs, _, num = jax.lax.while_loop(cond, body, carry)
-    return out, out_logprobs, num
+    # Rows stay on the batch sharding, so each process holds the rows of its own prompts.
+    return tuple(
+        jax.lax.with_sharding_constraint(x, pipeline.batch_sharding(self.config, self.mesh, x.ndim))
+        for x in (out, out_logprobs, num)
+    )
+
+
+def _pad(prompts: list[list[int]], batch: int, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens [batch, bucket], lengths [batch], active [batch]): prompts right-padded to the bucket, then inactive
+  1-token rows up to `batch`."""
+  tokens = np.full((batch, bucket), _PAD_ID, dtype=np.int32)
+  lengths = np.ones((batch,), dtype=np.int32)
+  for i, prompt in enumerate(prompts):
+    tokens[i, : len(prompt)] = prompt
+    lengths[i] = len(prompt)
+  return tokens, lengths, np.arange(batch) < len(prompts)
 
 
 def _repeat_rows(x: jax.Array, shape: tuple[int, ...], num_samples: int) -> jax.Array:

@@ -1,0 +1,179 @@
+"""Multi-process runs on JAX's distributed runtime: `python -m maxtext_posttrain.train` as 2 processes x 2 CPU
+devices joined the way MaxText joins pod hosts (scripts/launch_local.sh; the mesh's DCN axis spans the processes),
+against 1 process x 4 devices on the same mesh shape.
+
+Every test here starts subprocesses: MaxText's CPU coordinator listens on a fixed port (1234), so two jobs at once
+would collide, and this file keeps them on one xdist worker, one at a time.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests import run_utils
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "scripts" / "launch_local.sh"
+PROCESSES, LOCAL_DEVICES = 2, 2
+TIMEOUT = 300  # seconds per job; a hang fails the test instead of the suite
+
+# Per objective: the bundled config and the keys that make it a few-second run on random weights. RL rewards use a
+# reward that varies under random weights (completion length), so the advantages and the loss are not all zero.
+RL_KEYS = (
+    "per_device_batch_size=1",
+    "rl.num_generations=4",
+    "max_target_length=80",
+    "rl.rewards=['tests.rewards_for_tests:characters']",
+    "rl.reward_weights=[1.0]",
+)
+OBJECTIVES = {
+    "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", "steps=4"),
+    "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3"),
+    "grpo": ("grpo.yml", *RL_KEYS, "rl.grpo_beta=0.04", "steps=3"),
+    "ppo": ("ppo.yml", *RL_KEYS, "steps=3"),
+}
+# Metrics that differ between runs by nature (timings) or by layout (per-device rates).
+_VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
+
+
+def _env(**extra) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
+  return env | {"JAX_PLATFORMS": "cpu", **extra}
+
+
+# The keys that make the same mesh (data 2 x fsdp 2) from 2 processes (DCN data axis over the processes: the
+# launcher sets num_slices=2) and from 1 process (ICI data axis).
+LAYOUT = {"two": ("skip_jax_distributed_system=false",), "one": (f"ici_data_parallelism={PROCESSES}",)}
+
+
+def _config_argv(layout: str, config_file: str, out: pathlib.Path, tfds_dir, *keys: str) -> list[str]:
+  return [
+      str(ROOT / "maxtext_posttrain" / "configs" / config_file),
+      "run_name=run",
+      f"base_output_directory={out}",
+      f"dataset_path={tfds_dir}",
+      "eval_interval=-1",
+      "log_period=1",
+      f"metrics_file={out / 'metrics.jsonl'}",
+      *keys,
+      *LAYOUT[layout],
+  ]
+
+
+def launch(argv: list[str], out: pathlib.Path, **popen) -> subprocess.Popen:
+  """`scripts/launch_local.sh 2 python ...argv` (2 processes x 2 devices), started; output in `out`."""
+  out.mkdir(parents=True, exist_ok=True)
+  env = _env(LAUNCH_LOG_DIR=str(out / "logs"), LOCAL_DEVICES=str(LOCAL_DEVICES))
+  command = [str(LAUNCH), str(PROCESSES), sys.executable, *argv]
+  with open(out / "process_0.log", "ab") as log:
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, **popen)
+
+
+def _first_error(log: pathlib.Path) -> str:
+  """The log from its first error line on (30 lines), or its last 30 lines."""
+  lines = log.read_text(errors="replace").splitlines()
+  start = next((i for i, line in enumerate(lines) if "Error" in line or "Fatal" in line or "error:" in line), None)
+  return "\n".join(lines[-30:] if start is None else lines[start : start + 30])
+
+
+def finish(process: subprocess.Popen, out: pathlib.Path) -> None:
+  rc = process.wait(timeout=TIMEOUT)
+  logs = "\n".join(f"{f}:\n{_first_error(f)}" for f in sorted(out.glob("**/process_*.log")))
+  assert rc == 0, f"exit status {rc}:\n{logs}"
+
+
+def single(argv: list[str], out: pathlib.Path) -> None:
+  """One process with 2 x 2 devices: the mesh of the 2-process job with its DCN axis as an ICI axis."""
+  out.mkdir(parents=True, exist_ok=True)
+  env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={PROCESSES * LOCAL_DEVICES}")
+  with open(out / "single.log", "wb") as log:
+    rc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT, check=False
+    ).returncode
+  assert rc == 0, f"exit status {rc}, see {out / 'single.log'}:\n" + _first_error(out / "single.log")
+
+
+def _comparable(row: dict) -> dict[str, float]:
+  return {k: v for k, v in row.items() if isinstance(v, float) and not any(part in k for part in _VOLATILE)}
+
+
+def assert_same_rows(got: dict[int, dict], want: dict[int, dict], rtol: float = 2e-5) -> None:
+  assert sorted(got) == sorted(want)
+  for step in want:
+    got_row, want_row = _comparable(got[step]), _comparable(want[step])
+    assert sorted(got_row) == sorted(want_row), step
+    for key in want_row:
+      np.testing.assert_allclose(got_row[key], want_row[key], rtol=rtol, atol=1e-6, err_msg=f"step {step} {key}")
+
+
+def train_argv(layout: str, objective: str, out: pathlib.Path, tfds_dir, *keys: str) -> list[str]:
+  config_file, *objective_keys = OBJECTIVES[objective]
+  return ["-m", "maxtext_posttrain.train", *_config_argv(layout, config_file, out, tfds_dir, *objective_keys, *keys)]
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_two_processes_train_as_one_process_with_as_many_devices(objective, tmp_path, tfds_dir):
+  """Losses, rewards and every other logged figure of 2 processes x 2 devices equal those of 1 process x 4 devices
+  step by step. RL rollouts are sampled and scored on the process that owns the prompts (each row once)."""
+  two, one = tmp_path / "two", tmp_path / "one"
+  finish(launch(train_argv("two", objective, two, tfds_dir), two), two)
+  single(train_argv("one", objective, one, tfds_dir), one)
+  two_rows, one_rows = run_utils.rows(two / "metrics.jsonl"), run_utils.rows(one / "metrics.jsonl")
+  assert_same_rows(two_rows, one_rows)
+  if objective in ("grpo", "ppo"):
+    assert all(row["rl/reward_mean"] > 0 for row in two_rows.values())
+
+
+def test_no_example_is_read_by_two_processes(tmp_path, tfds_dir):
+  """Each process's rows of each step hold examples no other process holds, and together the processes' rows are
+  the examples one process reads for the same steps."""
+  steps, names = 3, ("sft", "dpo", "grpo")
+  for layout in LAYOUT:
+    out = tmp_path / layout
+    groups = []
+    for name in names:
+      config_file, *keys = OBJECTIVES[name]
+      groups += ["--", name, *_config_argv(layout, config_file, out / name, tfds_dir, *keys)]
+    probe = ["-m", "tests.multiprocess_data", str(out), str(steps), *groups[1:]]
+    if layout == "two":
+      finish(launch(probe, out), out)
+    else:
+      single(probe, out)
+  for name in names:
+    parts = [json.loads((tmp_path / "two" / f"{name}.{p}.json").read_text())["steps"] for p in range(PROCESSES)]
+    whole = json.loads((tmp_path / "one" / f"{name}.0.json").read_text())["steps"]
+    for step in range(steps):
+      rows = [part[step] for part in parts]
+      assert all(len(r) == len(whole[step]) // PROCESSES for r in rows), (name, step)
+      assert not set(rows[0]) & set(rows[1]), (name, step)
+      assert sorted(rows[0] + rows[1]) == sorted(whole[step]), (name, step)
+
+
+def test_a_killed_process_stops_the_job_and_the_relaunch_resumes_exactly(tmp_path, tfds_dir):
+  """SIGKILL of one process mid-run: the launcher stops the other (no hang) and exits non-zero; the same command
+  line then resumes from the last checkpoint both processes wrote and logs what an uninterrupted run logs."""
+  keys = ("steps=12", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
+  reference, killed = tmp_path / "reference", tmp_path / "killed"
+  finish(launch(train_argv("two", "sft", reference, tfds_dir, *keys), reference), reference)
+  argv = train_argv("two", "sft", killed, tfds_dir, *keys)
+  job = launch(argv, killed)
+  deadline = time.monotonic() + TIMEOUT
+  while not (killed / "run" / "checkpoints" / "2").is_dir():
+    assert job.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
+    time.sleep(0.02)
+  os.kill(int((killed / "logs" / "process_1.pid").read_text()), signal.SIGKILL)
+  killed_at = time.monotonic()
+  assert job.wait(timeout=60) != 0
+  assert time.monotonic() - killed_at < 30
+  assert "process 1" in (killed / "process_0.log").read_text()
+  finish(launch(argv, killed), killed)
+  (resume,) = json.loads((killed / "run" / "manifest.json").read_text())["resumes"]
+  assert 0 < resume["start_step"] < 12
+  assert_same_rows(run_utils.rows(killed / "metrics.jsonl"), run_utils.rows(reference / "metrics.jsonl"))
