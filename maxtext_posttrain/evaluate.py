@@ -188,6 +188,9 @@ def main(argv: Sequence[str]) -> None:
   metrics, samples = evaluate(
       rollout.Sampler(config, mesh), lora.policy_params(model, config), prompt_set, config, encoder
   )
+  print(json.dumps(metrics), flush=True)
+  if jax.process_index() != 0:  # every process holds every sample; one writes them
+    return
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   os.makedirs(out_dir, exist_ok=True)
   report = {
@@ -202,7 +205,6 @@ def main(argv: Sequence[str]) -> None:
     json.dump(report, f, indent=1)
   png = plot(metrics, os.path.join(out_dir, "evaluation.png"), f"{len(samples)} held-out prompts")
   max_logging.log(f"Wrote {out_dir}/evaluation.json and {png}.")
-  print(json.dumps(metrics), flush=True)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ RL_KEYS = (
     "rl.rewards=['tests.rewards_for_tests:characters']",
     "rl.reward_weights=[1.0]",
 )
+# SFT's run also serves as the uninterrupted run of the kill test: 12 steps, checkpoints every 2.
+SFT_RUN = ("steps=12", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
 OBJECTIVES = {
-    "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", "steps=4"),
+    "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", *SFT_RUN),
     "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3"),
     "grpo": ("grpo.yml", *RL_KEYS, "rl.grpo_beta=0.04", "steps=3"),
-    "ppo": ("ppo.yml", *RL_KEYS, "steps=3"),
+    "ppo": ("ppo.yml", *RL_KEYS, "rl.grpo_beta=0.0", "steps=3"),  # GRPO's run has the reference
 }
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
@@ -67,13 +69,13 @@ def _config_argv(layout: str, config_file: str, out: pathlib.Path, tfds_dir, *ke
   ]
 
 
-def launch(argv: list[str], out: pathlib.Path, **popen) -> subprocess.Popen:
+def launch(argv: list[str], out: pathlib.Path) -> subprocess.Popen:
   """`scripts/launch_local.sh 2 python ...argv` (2 processes x 2 devices), started; output in `out`."""
   out.mkdir(parents=True, exist_ok=True)
   env = _env(LAUNCH_LOG_DIR=str(out / "logs"), LOCAL_DEVICES=str(LOCAL_DEVICES))
   command = [str(LAUNCH), str(PROCESSES), sys.executable, *argv]
   with open(out / "process_0.log", "ab") as log:
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, **popen)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _first_error(log: pathlib.Path) -> str:
@@ -118,12 +120,23 @@ def train_argv(layout: str, objective: str, out: pathlib.Path, tfds_dir, *keys: 
   return ["-m", "maxtext_posttrain.train", *_config_argv(layout, config_file, out, tfds_dir, *objective_keys, *keys)]
 
 
+@pytest.fixture(scope="module")
+def sft_two_processes(tmp_path_factory, tfds_dir) -> pathlib.Path:
+  """The output directory of SFT's uninterrupted 2-process run."""
+  out = tmp_path_factory.mktemp("sft_two")
+  finish(launch(train_argv("two", "sft", out, tfds_dir), out), out)
+  return out
+
+
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
-def test_two_processes_train_as_one_process_with_as_many_devices(objective, tmp_path, tfds_dir):
+def test_two_processes_train_as_one_process_with_as_many_devices(objective, tmp_path, tfds_dir, request):
   """Losses, rewards and every other logged figure of 2 processes x 2 devices equal those of 1 process x 4 devices
   step by step. RL rollouts are sampled and scored on the process that owns the prompts (each row once)."""
   two, one = tmp_path / "two", tmp_path / "one"
-  finish(launch(train_argv("two", objective, two, tfds_dir), two), two)
+  if objective == "sft":
+    two = request.getfixturevalue("sft_two_processes")
+  else:
+    finish(launch(train_argv("two", objective, two, tfds_dir), two), two)
   single(train_argv("one", objective, one, tfds_dir), one)
   two_rows, one_rows = run_utils.rows(two / "metrics.jsonl"), run_utils.rows(one / "metrics.jsonl")
   assert_same_rows(two_rows, one_rows)
@@ -156,13 +169,11 @@ def test_no_example_is_read_by_two_processes(tmp_path, tfds_dir):
       assert sorted(rows[0] + rows[1]) == sorted(whole[step]), (name, step)
 
 
-def test_a_killed_process_stops_the_job_and_the_relaunch_resumes_exactly(tmp_path, tfds_dir):
+def test_a_killed_process_stops_the_job_and_the_relaunch_resumes_exactly(tmp_path, tfds_dir, sft_two_processes):
   """SIGKILL of one process mid-run: the launcher stops the other (no hang) and exits non-zero; the same command
   line then resumes from the last checkpoint both processes wrote and logs what an uninterrupted run logs."""
-  keys = ("steps=12", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
-  reference, killed = tmp_path / "reference", tmp_path / "killed"
-  finish(launch(train_argv("two", "sft", reference, tfds_dir, *keys), reference), reference)
-  argv = train_argv("two", "sft", killed, tfds_dir, *keys)
+  killed = tmp_path / "killed"
+  argv = train_argv("two", "sft", killed, tfds_dir)
   job = launch(argv, killed)
   deadline = time.monotonic() + TIMEOUT
   while not (killed / "run" / "checkpoints" / "2").is_dir():
@@ -176,4 +187,27 @@ def test_a_killed_process_stops_the_job_and_the_relaunch_resumes_exactly(tmp_pat
   finish(launch(argv, killed), killed)
   (resume,) = json.loads((killed / "run" / "manifest.json").read_text())["resumes"]
   assert 0 < resume["start_step"] < 12
-  assert_same_rows(run_utils.rows(killed / "metrics.jsonl"), run_utils.rows(reference / "metrics.jsonl"))
+  assert_same_rows(run_utils.rows(killed / "metrics.jsonl"), run_utils.rows(sft_two_processes / "metrics.jsonl"))
+
+
+def test_the_launcher_sets_maxtexts_environment_and_stops_at_the_first_failure(tmp_path):
+  """Each process sees the variables MaxText's CPU start-up reads; when process 1 fails, process 0 (still sleeping)
+  is stopped and the launcher exits with process 1's status at once."""
+  script = (
+      "import json, os, sys, time\n"
+      "names = ('JAX_COORDINATOR_ADDRESS', 'JOB_INDEX', 'JOB_COMPLETION_INDEX', 'PROCESSES_IN_JOB', 'JAX_PROCESS_COUNT',"
+      " 'M_HARDWARE', 'M_NUM_SLICES', 'XLA_FLAGS')\n"
+      f"open('{tmp_path}/env.' + os.environ['JOB_COMPLETION_INDEX'], 'w').write(json.dumps({{n: os.environ.get(n) for n in names}}))\n"
+      "time.sleep(120) if os.environ['JOB_COMPLETION_INDEX'] == '0' else sys.exit(3)\n"
+  )
+  start = time.monotonic()
+  job = launch(["-c", script], tmp_path)
+  assert job.wait(timeout=60) == 3
+  assert time.monotonic() - start < 30
+  for index in range(PROCESSES):
+    env = json.loads((tmp_path / f"env.{index}").read_text())
+    assert env["JOB_COMPLETION_INDEX"] == str(index) and env["JOB_INDEX"] == "0"
+    assert env["PROCESSES_IN_JOB"] == env["JAX_PROCESS_COUNT"] == env["M_NUM_SLICES"] == str(PROCESSES)
+    assert env["M_HARDWARE"] == "cpu" and env["JAX_COORDINATOR_ADDRESS"] == "localhost"
+    assert f"--xla_force_host_platform_device_count={LOCAL_DEVICES}" in env["XLA_FLAGS"]
+  assert "process 1" in (tmp_path / "process_0.log").read_text()
