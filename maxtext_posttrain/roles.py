@@ -17,6 +17,7 @@ are `FrozenModel`s. A frozen role is read from host hooks (`FrozenModel.run`) or
 train and eval steps, its weights passed in as an argument that is not donated.
 """
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Callable, Literal, Mapping
@@ -38,6 +39,13 @@ from maxtext_posttrain.peft import lora
 POLICY = "policy"
 REFERENCE = "reference"
 TEACHER = "teacher"
+
+
+@contextlib.contextmanager
+def program_scope(mesh: jax.sharding.Mesh, rules):
+  """The mesh and logical axis rules a role's programs are traced and run under."""
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
+    yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,12 +204,21 @@ class FrozenModel:
   _start_adapters: nnx.State | None = dataclasses.field(default=None, repr=False)
   _compiled: dict[Callable, Callable] = dataclasses.field(default_factory=dict, repr=False)
 
-  def run(self, fn: Callable, *args):
-    """`fn(model, *args)` under jit, MaxText's mesh and logical axis rules; compiled once per `fn`."""
+  def jitted(self, fn: Callable) -> Callable:
+    """`fn(model, *args)` jitted over the weights, `(state, *args)`, once per `fn`: the program `run` runs and
+    `maxtext_posttrain.compile` lowers for a topology (under `scope()`)."""
     if fn not in self._compiled:
       self._compiled[fn] = jax.jit(lambda state, *args: fn(nnx.merge(self.graphdef, state), *args))
-    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
-      return self._compiled[fn](self.state, *args)
+    return self._compiled[fn]
+
+  def scope(self):
+    """The mesh and logical axis rules the role's programs run under."""
+    return program_scope(self.mesh, self.config.logical_axis_rules)
+
+  def run(self, fn: Callable, *args):
+    """`fn(model, *args)` under jit, MaxText's mesh and logical axis rules; compiled once per `fn`."""
+    with self.scope():
+      return self.jitted(fn)(self.state, *args)
 
   def follow(self, policy_model: nnx.Module) -> "FrozenModel":
     """Takes the LoRA `policy_model`'s current frozen base with the adapters it started from: the starting policy.
@@ -222,22 +239,11 @@ def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenMode
   `from_pretrained` model of `load_parameters_path` or the seeded init, with `lora.lora_restore_path`'s adapters.
   Any other role is built from its own config and head and reads its `load_parameters_path`.
   """
-  if spec.trained:
-    raise ValueError(f"Role {spec.name} is trained, not frozen.")
-  if spec.head == "lm" and not spec.overrides:
-    if spec.in_step and lora.enabled(config):
-      raise ValueError(
-          f"Role {spec.name}: an in-step starting policy under LoRA is not supported: it is the policy's own base, "
-          "whose arrays the step donates."
-      )
+  if _is_starting_policy(spec, config):
     return _starting_policy(spec, config, mesh, copy)
   role = role_config(config, spec)
-  init_model, _ = model_initializer(role, spec, mesh)
-  with nn_partitioning.axis_rules(role.logical_axis_rules):
-    abstract = nnx.eval_shape(init_model)
-  graphdef, abstract_state = nnx.split(abstract)
-  shardings = sharding.nnx_construct_named_sharding(abstract_state, mesh)
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(role.logical_axis_rules):
+  init_model, graphdef, _, shardings = _abstract_model(role, spec, mesh)
+  with program_scope(mesh, role.logical_axis_rules):
     state = jax.jit(lambda: nnx.state(init_model()), out_shardings=shardings)()
   if role.load_parameters_path:
     state = load_start_weights(state, role, spec)
@@ -247,6 +253,42 @@ def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenMode
     )
   source = role.load_parameters_path or f"the seeded initialisation (init_weights_seed={role.init_weights_seed})"
   max_logging.log(f"Role {spec.name}: a frozen {spec.head}-head model from {source}.")
+  return FrozenModel(spec, role, mesh, graphdef, state)
+
+
+def _abstract_model(role, spec: RoleSpec, mesh):
+  """(init_model, graphdef, abstract state, its shardings) of `spec`'s model under its role config `role`. The
+  shardings resolve the weights' logical axes by the role's rules, as MaxText's `get_abstract_state` does (outside
+  the rules every weight would be replicated on every device)."""
+  init_model, _ = model_initializer(role, spec, mesh)
+  with nn_partitioning.axis_rules(role.logical_axis_rules):
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(init_model))
+    return init_model, graphdef, abstract_state, sharding.nnx_construct_named_sharding(abstract_state, mesh)
+
+
+def _is_starting_policy(spec: RoleSpec, config) -> bool:
+  """Whether frozen `spec` is the starting policy (the run's config, LM head); refuses what cannot be frozen."""
+  if spec.trained:
+    raise ValueError(f"Role {spec.name} is trained, not frozen.")
+  starting_policy = spec.head == "lm" and not spec.overrides
+  if starting_policy and spec.in_step and lora.enabled(config):
+    raise ValueError(
+        f"Role {spec.name}: an in-step starting policy under LoRA is not supported: it is the policy's own base, "
+        "whose arrays the step donates."
+    )
+  return starting_policy
+
+
+def abstract_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenModel:
+  """The frozen model `build_frozen` builds, its weights shaped, sharded `jax.ShapeDtypeStruct`s: nothing is
+  initialised or read, so its programs lower for a device topology this host lacks (`maxtext_posttrain.compile`).
+  The LoRA reference follows the policy here too (`follows_policy`, no weights of its own) unless `copy`; a
+  reference with `lora.lora_restore_path` adapters is shaped without them."""
+  if _is_starting_policy(spec, config) and lora.enabled(config) and not copy:
+    return FrozenModel(spec, config, mesh, None, None, follows_policy=True)
+  role = role_config(config, spec)
+  _, graphdef, abstract_state, shardings = _abstract_model(role, spec, mesh)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
   return FrozenModel(spec, role, mesh, graphdef, state)
 
 

@@ -7,7 +7,8 @@ shardings and donation `get_functional_train_with_signature` supplies. The step 
 (`RoleSpec.loss`); frozen roles read inside the step come in as a third argument, not donated.
 
 Building one reads top to bottom: abstract state, checkpoint manager and its guard, LoRA's start checks, restore or
-initialise, the role's starting weights, the jitted steps.
+initialise, the role's starting weights, the jitted steps. `abstract` gives the same steps over a state of shapes
+alone, which `maxtext_posttrain.compile` lowers for a TPU topology.
 """
 
 import dataclasses
@@ -198,22 +199,34 @@ class TrainedModel:
     """The model with the current weights (shares the arrays of `state`, no copy)."""
     return nnx.merge(self.graphdef, self.state).model
 
+  def scope(self, evaluation: bool = False):
+    """The mesh and logical axis rules the role's programs run under (MaxText's eval rules for the eval step)."""
+    config = self.config
+    return roles_lib.program_scope(
+        self.mesh, config.logical_axis_rules_for_eval if evaluation else config.logical_axis_rules
+    )
+
+  def jitted(self, fn: Callable) -> Callable:
+    """`fn(model, *args)` jitted over the role's state, `(state, *args)`, once per `fn`: the program `run` runs
+    and `maxtext_posttrain.compile` lowers for a topology (under `scope()`)."""
+    if fn not in self._compiled:
+      self._compiled[fn] = jax.jit(lambda state, *args: fn(nnx.merge(self.graphdef, state).model, *args))
+    return self._compiled[fn]
+
   def run(self, fn: Callable, *args):
     """`fn(model, *args)` on the current weights under jit, the mesh and logical axis rules; compiled once per `fn`.
     For host hooks that read a trained role without training it (a critic's values of fresh rollouts)."""
-    if fn not in self._compiled:
-      self._compiled[fn] = jax.jit(lambda state, *args: fn(nnx.merge(self.graphdef, state).model, *args))
-    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
-      return self._compiled[fn](self.state, *args)
+    with self.scope():
+      return self.jitted(fn)(self.state, *args)
 
   def train_step(self, batch, frozen_states: dict[str, nnx.State]):
     """One optimizer step on `batch`; returns MaxText's metrics dict. The previous state's arrays are donated."""
-    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
+    with self.scope():
       self.state, metrics = self.p_train_step(self.state, batch, frozen_states)
     return metrics
 
   def eval_step(self, batch, frozen_states: dict[str, nnx.State]):
-    with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules_for_eval):
+    with self.scope(evaluation=True):
       return self.p_eval_step(self.state, batch, frozen_states)
 
   def save(self, step: int, data_iterator, final: bool = False) -> None:
@@ -231,6 +244,46 @@ class TrainedModel:
   def wait_until_finished(self) -> None:
     if self.checkpoint_manager is not None:
       checkpointing.wait_until_finished(self.checkpoint_manager)
+
+
+def _jit_steps(spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding):
+  """(train step, eval step or None) of a trained role, jitted with MaxText's shardings and donation; the in-step
+  frozen roles' states are a last argument, sharded as they are and not donated."""
+  in_step = {name: role for name, role in frozen.items() if role.spec.in_step}
+  frozen_graphdefs = {name: role.graphdef for name, role in in_step.items()}
+  frozen_shardings = {name: jax.tree.map(lambda x: x.sharding, role.state) for name, role in in_step.items()}
+  functional_train, in_shardings, out_shardings, static_argnums, donate_argnums = (
+      maxtext_utils.get_functional_train_with_signature(
+          make_train_step(spec, trainable_filter(config, spec), frozen_graphdefs),
+          data_sharding,
+          state_mesh_shardings,
+          graphdef,
+          config,
+          params_shardings,
+      )
+  )
+  p_train_step = jax.jit(
+      functional_train,
+      in_shardings=(*in_shardings, frozen_shardings),
+      out_shardings=out_shardings,
+      static_argnums=static_argnums,
+      donate_argnums=donate_argnums,
+  )
+  if eval_data_sharding is None:
+    return p_train_step, None
+  functional_eval, in_shardings, out_shardings, static_argnums, donate_argnums = (
+      maxtext_utils.get_functional_eval_with_signature(
+          make_eval_step(spec, frozen_graphdefs), eval_data_sharding, state_mesh_shardings, graphdef, config
+      )
+  )
+  p_eval_step = jax.jit(
+      functional_eval,
+      in_shardings=(*in_shardings, frozen_shardings),
+      out_shardings=out_shardings,
+      static_argnums=static_argnums,
+      donate_argnums=donate_argnums,
+  )
+  return p_train_step, p_eval_step
 
 
 def build(
@@ -276,41 +329,9 @@ def build(
   train_utils.validate_completed_steps(start_step, config.steps)
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
-  in_step = {name: role for name, role in frozen.items() if role.spec.in_step}
-  frozen_graphdefs = {name: role.graphdef for name, role in in_step.items()}
-  frozen_shardings = {name: jax.tree.map(lambda x: x.sharding, role.state) for name, role in in_step.items()}
-  trainable = trainable_filter(config, spec)
-  functional_train, in_shardings, out_shardings, static_argnums, donate_argnums = (
-      maxtext_utils.get_functional_train_with_signature(
-          make_train_step(spec, trainable, frozen_graphdefs),
-          data_sharding,
-          state_mesh_shardings,
-          graphdef,
-          config,
-          params_shardings,
-      )
+  p_train_step, p_eval_step = _jit_steps(
+      spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding
   )
-  p_train_step = jax.jit(
-      functional_train,
-      in_shardings=(*in_shardings, frozen_shardings),
-      out_shardings=out_shardings,
-      static_argnums=static_argnums,
-      donate_argnums=donate_argnums,
-  )
-  p_eval_step = None
-  if eval_data_sharding is not None:
-    functional_eval, in_shardings, out_shardings, static_argnums, donate_argnums = (
-        maxtext_utils.get_functional_eval_with_signature(
-            make_eval_step(spec, frozen_graphdefs), eval_data_sharding, state_mesh_shardings, graphdef, config
-        )
-    )
-    p_eval_step = jax.jit(
-        functional_eval,
-        in_shardings=(*in_shardings, frozen_shardings),
-        out_shardings=out_shardings,
-        static_argnums=static_argnums,
-        donate_argnums=donate_argnums,
-    )
   model = TrainedModel(
       spec=spec,
       config=config,
@@ -320,9 +341,47 @@ def build(
       state_mesh_shardings=state_mesh_shardings,
       checkpoint_manager=checkpoint_manager,
       learning_rate_schedule=learning_rate_schedule,
-      trainable=trainable,
+      trainable=trainable_filter(config, spec),
       p_train_step=p_train_step,
       p_eval_step=p_eval_step,
       start_step=start_step,
   )
   return model, data_iterator
+
+
+def abstract(
+    spec: roles_lib.RoleSpec,
+    config,
+    mesh,
+    frozen: dict[str, roles_lib.FrozenModel],
+    data_sharding,
+    eval_data_sharding=None,
+) -> TrainedModel:
+  """The trained role `spec` with the jitted steps `build` gives it, its state shaped, sharded
+  `jax.ShapeDtypeStruct`s (MaxText's `get_abstract_state`, as MaxText's train_compile takes it): nothing is
+  initialised, read or written, so the steps lower for a device topology this host lacks (`maxtext_posttrain.compile`).
+  `frozen` may be abstract too."""
+  if spec.loss is None:
+    raise ValueError(f"Role {spec.name} is trained but declares no loss.")
+  init_state_fn, learning_rate_schedule = state_initializer(config, mesh, spec)
+  state, _, state_mesh_shardings = maxtext_utils.get_abstract_state(config, mesh, init_state_fn, True)
+  with nn_partitioning.axis_rules(config.logical_axis_rules):
+    graphdef = nnx.graphdef(nnx.eval_shape(init_state_fn))
+  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
+  p_train_step, p_eval_step = _jit_steps(
+      spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding
+  )
+  return TrainedModel(
+      spec=spec,
+      config=config,
+      mesh=mesh,
+      graphdef=graphdef,
+      state=state,
+      state_mesh_shardings=state_mesh_shardings,
+      checkpoint_manager=None,
+      learning_rate_schedule=learning_rate_schedule,
+      trainable=trainable_filter(config, spec),
+      p_train_step=p_train_step,
+      p_eval_step=p_eval_step,
+      start_step=0,
+  )

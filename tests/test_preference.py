@@ -108,6 +108,9 @@ def test_config_keeps_maxtexts_dpo_keys(make_config):
     dpo_objective.Preference(make_config("dpo.algo=ipo", "dpo.dpo_label_smoothing=0.1", config_file=DPO))
   with pytest.raises(ValueError, match="leaves no room"):
     dpo_objective.Preference(make_config("dpo.max_prompt_length=128", config_file=DPO))
+  # Precomputing scores the training pairs only; the held-out loss pass would find no reference log-probs.
+  with pytest.raises(ValueError, match="set eval_interval=0, or precompute_reference_logprobs=false"):
+    dpo_objective.Preference(make_config("dpo.precompute_reference_logprobs=true", config_file=DPO))
 
 
 def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(make_config):

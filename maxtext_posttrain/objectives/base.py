@@ -11,9 +11,10 @@ mean of per-microbatch means.
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from maxtext_posttrain import roles as roles_lib
 
@@ -71,6 +72,12 @@ class Objective(abc.ABC):
     """Pure JAX: the loss of the primary role's `model` (an NNX MaxText model) on one (micro)batch, `frozen` the
     in-step frozen roles' models by name. Runs under jit. Other trained roles name their loss in their RoleSpec."""
 
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """Shapes and dtypes of one global batch as the train steps (`train`) or the primary role's held-out loss pass
+    receive it, after the host hooks; None where the objective runs no such pass. What `maxtext_posttrain.compile`
+    lowers the steps with: compiling for a TPU slice needs the batch's shapes, not its data."""
+    raise NotImplementedError(f"posttrain_mode={self.name} does not describe its batches (Objective.batch_spec).")
+
   def wants_batch(self, loop) -> bool:
     """Whether the loop draws the next batch from the data iterator before this step; when not, `before_step`
     gets None and supplies the batch itself (RL's inner iterations on one rollout batch)."""
@@ -114,6 +121,13 @@ class Objective(abc.ABC):
     """Host-side evaluation beyond held-out loss (e.g. generation accuracy); returns scalar metrics."""
     del loop
     return {}
+
+
+def rows_spec(rows: int, length: int, keys: Iterable[str], floats: Iterable[str] = ()) -> dict[str, jax.ShapeDtypeStruct]:
+  """[rows, length] batch arrays named `keys`: float32 for those in `floats` (log-probs, advantages), int32 for the
+  others (token ids, positions, segment ids, masks)."""
+  floats = set(floats)
+  return {key: jax.ShapeDtypeStruct((rows, length), jnp.float32 if key in floats else jnp.int32) for key in keys}
 
 
 _REGISTRY: dict[str, type[Objective]] = {}

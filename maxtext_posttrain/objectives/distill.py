@@ -153,6 +153,22 @@ class Distill(SFT):
     train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh, join, teacher_logits.COLUMNS)
     return ObjectiveData(train=train, eval=evaluation, description=stats.to_dict())
 
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """SFT's batch, the schedules' [rows, 1] float32 columns and, from teacher files, the teacher's top-k columns."""
+    spec = super().batch_spec(train)
+    if spec is None:
+      return None
+    rows, length = spec["inputs"].shape
+    schedules = (ALPHA_KEY, TEMPERATURE_KEY, layer_transfer.BETA_KEY)
+    spec |= {key: jax.ShapeDtypeStruct((rows, 1), jnp.float32) for key in schedules}
+    if self.offline:
+      ids, logprobs, log_rest = teacher_logits.COLUMNS
+      k = self.section.top_k
+      spec[ids] = jax.ShapeDtypeStruct((rows, length, k), jnp.int32)
+      spec[logprobs] = jax.ShapeDtypeStruct((rows, length, k), jnp.float32)
+      spec[log_rest] = jax.ShapeDtypeStruct((rows, length), jnp.float32)
+    return spec
+
   def _with_schedules(self, loop, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """`batch` plus the schedules' values at this step as [rows, 1] columns, sharded as the batch's tokens are (the
     steps' data shardings are for [rows, length] arrays)."""

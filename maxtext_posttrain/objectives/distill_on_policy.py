@@ -34,7 +34,7 @@ from maxtext_posttrain.data import pipeline
 
 # Imported as a module, not from the package: the package's __init__ imports this module.
 import maxtext_posttrain.objectives.distill as distill
-from maxtext_posttrain.objectives.base import LossOutput, register
+from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 from maxtext_posttrain.objectives.rl_base import RLObjective, gathered, training_rows
 
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", distill.TEMPERATURE_KEY)
@@ -100,6 +100,15 @@ class DistillOnPolicy(RLObjective):
     metrics["rl/before_step_seconds"] = time.perf_counter() - timer
     self.step_metrics = metrics
     return pipeline.process_local_batch(rows, self.config, loop.mesh)
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """`rl_base.training_rows` of every prompt's `rl.num_generations` rows, with the temperature column; no
+    held-out loss pass."""
+    if not train:
+      return None
+    config = self.config
+    rows = config.global_batch_size_to_load * self.rows_per_example
+    return rows_spec(rows, config.max_target_length, ROW_KEYS, floats=(distill.TEMPERATURE_KEY,))
 
   def reference_completions(self, indices: list[int]) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, completions) of the off-policy rows: each prompt `rl.num_generations` times, as the sampler would

@@ -24,7 +24,7 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.losses import preference as preference_losses
-from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register, rows_spec
 
 REFERENCE_KEYS = tuple(f"{side}_reference_logps" for side in preference_data.SIDES)
 
@@ -85,11 +85,25 @@ class Preference(Objective):
     self.dpo = config_lib.preference(config)
     self.needs_reference = self.dpo.algo in ("dpo", "ipo")
     self.precompute = self.needs_reference and self.dpo.precompute_reference_logprobs
+    if self.precompute and config.eval_interval > 0:
+      raise ValueError(
+          "dpo.precompute_reference_logprobs=true scores the training pairs only, and no reference model is kept for "
+          "the held-out pairs of eval_interval > 0: set eval_interval=0, or precompute_reference_logprobs=false."
+      )
     # A precomputing run uses the reference once, in make_data, and keeps no model for it.
     if self.needs_reference and not self.precompute:
       self.roles += (roles.reference(),)
     if self.needs_reference:
       self.batch_keys = self.batch_keys + REFERENCE_KEYS
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """[pairs, max_target_length] arrays per side, and the reference's log-probs where the loss reads them (added
+    before each step, or with the pairs at setup)."""
+    config = self.config
+    if not train and config.eval_interval <= 0:
+      return None
+    pairs = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
+    return rows_spec(pairs, config.max_target_length, self.batch_keys, floats=REFERENCE_KEYS)
 
   def make_data(self, mesh) -> ObjectiveData:
     train = preference_data.prepare_pairs(self.config, train=True)

@@ -21,7 +21,7 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.losses import reward_model as reward_model_losses
 from maxtext_posttrain.objectives.dpo import Preference, check_config, interleave
-from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register
+from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register, rows_spec
 
 ROLE = "reward_model"
 
@@ -54,6 +54,19 @@ class RewardModel(Objective):
     train = preference_data.prepare_pairs(self.config, train=True)
     train_iterator, eval_iterator, stats = preference_data.make_preference_iterators(self.config, mesh, train=train)
     return ObjectiveData(train=train_iterator, eval=eval_iterator, description=stats.to_dict())
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """DPO's pair arrays without reference log-probs, and the [pairs] float32 margin when the data has a fourth
+    column."""
+    config = self.config
+    if not train and config.eval_interval <= 0:
+      return None
+    pairs = config.global_batch_size_to_load if train else config.global_batch_size_to_load_eval
+    spec = rows_spec(pairs, config.max_target_length, self.batch_keys)
+    columns = config.train_data_columns if train else config.eval_data_columns
+    if len(columns) == len(preference_data.COLUMNS) + 1:
+      spec[preference_data.MARGIN] = jax.ShapeDtypeStruct((pairs,), jnp.float32)
+    return spec
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     del frozen

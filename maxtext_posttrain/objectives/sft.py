@@ -5,6 +5,7 @@ from typing import Any
 
 import jax
 
+from maxtext.utils import maxtext_utils
 from maxtext_posttrain import forward
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import cross_entropy
@@ -22,6 +23,14 @@ class SFT(Objective):
   def make_data(self, mesh) -> ObjectiveData:
     train, evaluation, stats = pipeline.make_sft_iterators(self.config, mesh)
     return ObjectiveData(train=train, eval=evaluation, description=stats.to_dict())
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """MaxText's SFT batch (`get_shaped_batch`: six [rows, max_target_length] int32 arrays); held-out batches when
+    `eval_interval` > 0."""
+    if not train and self.config.eval_interval <= 0:
+      return None
+    shaped = maxtext_utils.get_shaped_batch(self.config, is_eval=not train)
+    return {key: shaped[key] for key in pipeline.SFT_KEYS}
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     del frozen

@@ -276,7 +276,7 @@ class Sampler:
     self.num_compiles = 0
     self.num_pieces = pipeline.Encoder.from_config(config).num_pieces
     _, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
-    self._abstract_params = nnx.state(abstract_model, nnx.Param)
+    self.abstract_params = nnx.state(abstract_model, nnx.Param)  # the params `sample` takes, shaped and sharded
     self._programs: dict[tuple, tuple[_DecodeGraphs, Callable]] = {}
 
   def generate(self, params: nnx.State, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
@@ -377,7 +377,7 @@ class Sampler:
     key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       return decode.lower(
-          self._abstract_params,
+          self.abstract_params,
           spec((batch, bucket), jnp.int32),
           spec((batch,), jnp.int32),
           spec((batch,), jnp.bool_),
@@ -387,12 +387,12 @@ class Sampler:
 
   def _on_mesh(self, params: nnx.State) -> nnx.State:
     """The params on this sampler's shardings: as they are when already there, else one `jax.device_put`."""
-    _check_params_line_up(params, self._abstract_params)
-    targets = [a.sharding for a in jax.tree.leaves(self._abstract_params)]
+    _check_params_line_up(params, self.abstract_params)
+    targets = [a.sharding for a in jax.tree.leaves(self.abstract_params)]
     if all(getattr(x, "sharding", None) == t for x, t in zip(jax.tree.leaves(params), targets)):
       return params
     max_logging.log("The policy params are not on the rollout mesh's shardings; resharding them for sampling.")
-    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, self._abstract_params)
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, self.abstract_params)
 
   def _truncate(self, prompts: list[list[int]], truncate: bool) -> tuple[list[list[int]], int]:
     """Keeps the last max_prefill_predict_length tokens of longer prompts (or fails); counts the truncated ones."""
@@ -459,7 +459,7 @@ class Sampler:
       )
       build = functools.partial(self._graphs, batch, prefill_length, num_samples, max_new_tokens, sampling)
       graphs = build(unscan=self.config.scan_layers)
-      if graphs.unscan and not _maps_onto(self._abstract_params, graphs.abstract_params):
+      if graphs.unscan and not _maps_onto(self.abstract_params, graphs.abstract_params):
         max_logging.log("The scanned params do not map onto the unscanned decode model; decoding with scanned layers.")
         graphs = build(unscan=False)
       self._programs[key] = (graphs, jax.jit(functools.partial(self._decode, graphs)))
