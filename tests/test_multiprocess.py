@@ -40,6 +40,14 @@ OBJECTIVES = {
     "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3"),
     "grpo": ("grpo.yml", *RL_KEYS, "rl.grpo_beta=0.04", "steps=3"),
     "ppo": ("ppo.yml", *RL_KEYS, "rl.grpo_beta=0.0", "steps=3"),  # GRPO's run has the reference
+    # The teacher is SFT's 2-process checkpoint (a 2-layer model), read by 2 processes and by 1.
+    "distill": (
+        "distill.yml",
+        "per_device_batch_size=2",
+        "packing=false",
+        "teacher_overrides.base_num_decoder_layers=2",
+        "steps=3",
+    ),
 }
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
@@ -131,13 +139,17 @@ def sft_two_processes(tmp_path_factory, tfds_dir) -> pathlib.Path:
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 def test_two_processes_train_as_one_process_with_as_many_devices(objective, tmp_path, tfds_dir, request):
   """Losses, rewards and every other logged figure of 2 processes x 2 devices equal those of 1 process x 4 devices
-  step by step. RL rollouts are sampled and scored on the process that owns the prompts (each row once)."""
-  two, one = tmp_path / "two", tmp_path / "one"
+  step by step. RL rollouts are sampled and scored on the process that owns the prompts (each row once); the
+  distillation teacher is a checkpoint written by a 2-process job."""
+  two, one, keys = tmp_path / "two", tmp_path / "one", ()
+  if objective == "distill":
+    teacher = request.getfixturevalue("sft_two_processes") / "run" / "checkpoints" / "11" / "items"
+    keys = (f"teacher_overrides.load_parameters_path={teacher}",)
   if objective == "sft":
     two = request.getfixturevalue("sft_two_processes")
   else:
-    finish(launch(train_argv("two", objective, two, tfds_dir), two), two)
-  single(train_argv("one", objective, one, tfds_dir), one)
+    finish(launch(train_argv("two", objective, two, tfds_dir, *keys), two), two)
+  single(train_argv("one", objective, one, tfds_dir, *keys), one)
   two_rows, one_rows = run_utils.rows(two / "metrics.jsonl"), run_utils.rows(one / "metrics.jsonl")
   assert_same_rows(two_rows, one_rows)
   if objective in ("grpo", "ppo"):
@@ -198,7 +210,11 @@ def test_the_launcher_sets_maxtexts_environment_and_stops_at_the_first_failure(t
       "names = ('JAX_COORDINATOR_ADDRESS', 'JOB_INDEX', 'JOB_COMPLETION_INDEX', 'PROCESSES_IN_JOB', 'JAX_PROCESS_COUNT',"
       " 'M_HARDWARE', 'M_NUM_SLICES', 'XLA_FLAGS')\n"
       f"open('{tmp_path}/env.' + os.environ['JOB_COMPLETION_INDEX'], 'w').write(json.dumps({{n: os.environ.get(n) for n in names}}))\n"
-      "time.sleep(120) if os.environ['JOB_COMPLETION_INDEX'] == '0' else sys.exit(3)\n"
+      "if os.environ['JOB_COMPLETION_INDEX'] == '0':\n"
+      "  time.sleep(120)\n"
+      f"while not os.path.exists('{tmp_path}/env.0'):\n"
+      "  time.sleep(0.01)\n"
+      "sys.exit(3)\n"
   )
   start = time.monotonic()
   job = launch(["-c", script], tmp_path)
