@@ -141,21 +141,6 @@ def hbm_bytes(mesh: jax.sharding.Mesh) -> int | None:
   return None if gib is None else int(gib * GIB)
 
 
-def batch_spec(objective: objectives.Objective, config, train: bool) -> dict[str, jax.ShapeDtypeStruct] | None:
-  """`objective.batch_spec(train)`; GRPO's and PPO's rows (`rl_base.training_rows` plus their float columns) are
-  described here until their modules declare the method (they are being changed elsewhere)."""
-  if not isinstance(objective, (grpo.GRPO, ppo.PPO)):
-    return objective.batch_spec(train)
-  if not train:
-    return None
-  if isinstance(objective, ppo.PPO):
-    rows = objective.minibatch_rows
-  else:
-    rows = config.global_batch_size_to_load * objective.rows_per_example
-  floats = rl_base.ROW_KEYS[5:] + (grpo.REFERENCE_KEY, ppo.KL_COEF_KEY) + ppo.PPO_KEYS[len(rl_base.ROW_KEYS) :]
-  return rows_spec(rows, config.max_target_length, objective.batch_keys, floats)
-
-
 def _on(spec: dict[str, jax.ShapeDtypeStruct], data_sharding) -> dict[str, jax.ShapeDtypeStruct]:
   """`spec` placed as the loop places batches (`pipeline.global_batch`: the input data sharding)."""
   return {key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=data_sharding) for key, s in spec.items()}
@@ -211,7 +196,7 @@ def build(config) -> Run:
   specs = objective.roles
   frozen = {spec.name: roles_lib.abstract_frozen(spec, config, mesh) for spec in specs if not spec.trained}
   data_sharding = sharding.get_input_data_sharding(config, mesh)
-  has_eval = batch_spec(objective, config, train=False) is not None
+  has_eval = objective.batch_spec(train=False) is not None
   eval_sharding = sharding.get_input_data_sharding(config, mesh, rules=config.logical_axis_rules_for_eval)
   trained = {}
   for index, spec in enumerate(s for s in specs if s.trained):
@@ -271,7 +256,7 @@ def _rollout_programs(run: Run) -> list[Program]:
     return programs
   # The rollouts' rows (`rl_base.training_rows`), with GRPO's advantages; PPO's come after the critic's values.
   keys = rl_base.ROW_KEYS if isinstance(objective, grpo.GRPO) else rl_base.ROW_KEYS[:6]
-  batch = _on(rows_spec(rows, length, keys, floats=rl_base.ROW_KEYS[5:]), data_sharding)
+  batch = _on(rows_spec(rows, length, keys, floats=rl_base.ROW_FLOATS), data_sharding)
   replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
   temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
   if not objective.rl.use_rollout_logps:  # GRPO reads the policy through a frozen view of its model, PPO directly
@@ -313,7 +298,7 @@ def programs(run: Run) -> list[Program]:
   then the periodic evaluation's."""
   objective, config = run.objective, run.config
   data_sharding = sharding.get_input_data_sharding(config, run.mesh)
-  train_batch = _on(batch_spec(objective, config, train=True), data_sharding)
+  train_batch = _on(objective.batch_spec(train=True), data_sharding)
   preference_reference = isinstance(objective, dpo.Preference) and roles_lib.REFERENCE in run.frozen
   out = []
   if isinstance(objective, dpo.Preference) and objective.precompute:
@@ -327,7 +312,7 @@ def programs(run: Run) -> list[Program]:
   primary = next(iter(run.trained.values()))
   if primary.p_eval_step is not None:
     eval_sharding = sharding.get_input_data_sharding(config, run.mesh, rules=config.logical_axis_rules_for_eval)
-    eval_batch = _on(batch_spec(objective, config, train=False), eval_sharding)
+    eval_batch = _on(objective.batch_spec(train=False), eval_sharding)
     if preference_reference:
       out.append(_preference_reference(run, eval_batch, "reference forward (evaluation)"))
     out.append(run.step(f"{primary.name} eval step", primary, eval_batch, evaluation=True))

@@ -27,8 +27,9 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives.rl_base import RLObjective, ROW_KEYS, check_cycle, gathered, token_logps, training_rows
-from maxtext_posttrain.objectives.base import LossOutput, register
+from maxtext_posttrain.objectives.rl_base import ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered, token_logps
+from maxtext_posttrain.objectives.rl_base import training_rows
+from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 REFERENCE_KEY = "reference_logps"
 _ALGOS = {"grpo": "grpo", "gspo": "gspo", "gspo-token": "gspo_token"}
@@ -72,6 +73,14 @@ class GRPO(RLObjective):
 
   def wants_batch(self, loop) -> bool:
     return self._batch is None or loop.step % self.rl.num_iterations == 0
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """`rl_base.training_rows` of every prompt's G completions with their advantages (and reference log-probs); no
+    held-out loss pass."""
+    if not train:
+      return None
+    rows = self.config.global_batch_size_to_load * self.rows_per_example
+    return rows_spec(rows, self.config.max_target_length, self.batch_keys, ROW_FLOATS + (REFERENCE_KEY,))
 
   def before_step(self, loop, batch):
     if batch is None:  # another iteration on the cycle's rollouts; the old log-probs stay those of sampling time

@@ -30,9 +30,10 @@ from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
-from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, RLObjective, ROW_KEYS, check_cycle, gathered, token_logps
+from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
+from maxtext_posttrain.objectives.rl_base import token_logps
 from maxtext_posttrain.objectives.rl_base import training_rows
-from maxtext_posttrain.objectives.base import LossOutput, register
+from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 CRITIC = "critic"
 REFERENCE_KEY = "reference_logps"
@@ -173,6 +174,14 @@ class PPO(RLObjective):
 
   def wants_batch(self, loop) -> bool:
     return self._rollout is None or loop.step % self.steps_per_rollout == 0
+
+  def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """A minibatch of rollout rows with the critic's returns and old values (and the reference's log-probs and the
+    KL coefficient under ppo.kl_penalty=loss); no held-out loss pass."""
+    if not train:
+      return None
+    floats = ROW_FLOATS + PPO_KEYS[len(ROW_KEYS) :] + (REFERENCE_KEY, KL_COEF_KEY)
+    return rows_spec(self.minibatch_rows, self.config.max_target_length, self.batch_keys, floats)
 
   def before_step(self, loop, batch):
     if batch is not None:

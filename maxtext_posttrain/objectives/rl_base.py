@@ -32,6 +32,7 @@ from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import shaping
 
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", "old_logps", "advantages")
+ROW_FLOATS = ("old_logps", "advantages")  # float32 columns of the rows; the others are int32
 REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and its role
 
 
