@@ -206,7 +206,7 @@ if __name__ == "__main__":
   _sampler = Sampler(_config, _mesh)
   _, _trainer_mesh, _, _trainer_params = _build(["ici_fsdp_parallelism=4"])
   _resharded = _sampler._on_mesh(_trainer_params)  # pylint: disable=protected-access
-  _targets = [a.sharding for a in jax.tree.leaves(_sampler._abstract_params)]  # pylint: disable=protected-access
+  _targets = [a.sharding for a in jax.tree.leaves(_sampler.abstract_params)]
   print(
       json.dumps(
           {
