@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from maxtext_posttrain.losses import logprobs
+
 
 def token_cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
@@ -22,7 +24,6 @@ def token_cross_entropy(
   logits = logits.astype(jnp.float32)
   weights = weights.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logits = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
   z_total = z_loss * jnp.sum(weights * jnp.square(log_z))
-  total = jnp.sum(weights * (log_z - target_logits)) + z_total
+  total = jnp.sum(weights * (log_z - logprobs.target_logits(logits, targets))) + z_total
   return total, jnp.sum(weights), z_total
