@@ -4,14 +4,15 @@
 # Run it in a clean clone of the commit whose README it checks, after `make env`:
 #
 #   bash scripts/readme_figures.sh /tmp/figures            # everything (about 55 minutes on 2 CPU cores)
-#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, distill, bench
+#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, distill, compile,
+#                                                          # bench
 #
 # The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
 set -euo pipefail
 
-OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [bench]}")
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [compile] [bench]}")
 shift
-GROUPS_WANTED=${*:-demo dpo rm distill bench}
+GROUPS_WANTED=${*:-demo dpo rm distill compile bench}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
 export JAX_PLATFORMS=cpu
@@ -62,6 +63,21 @@ if wanted distill; then
   run score_teacher "$PY" -m maxtext_posttrain.score_teacher distill.yml run_name=score \
     base_output_directory="$OUT/distill" offline_data_dir="$OUT/distill/logits" distill.top_k=16 \
     teacher_overrides.load_parameters_path="$OUT/distill/demo_teacher/checkpoints/299/items"
+fi
+
+if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no TPU); the 70B must not fit
+  POD=(compile_topology_num_slices=1 dtype=bfloat16 attention=autoselected per_device_batch_size=1 max_target_length=2048
+    run_name=compile base_output_directory="$OUT/compile")
+  QWEN=(compile_topology=v5p-8 model_name=qwen3-0.6b "${POD[@]}")
+  run compile_qwen_sft "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" --compare_pretraining
+  run compile_qwen_lora "$PY" -m maxtext_posttrain.compile sft_lora.yml "${QWEN[@]}"
+  run compile_qwen_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${QWEN[@]}"
+  run compile_qwen_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${QWEN[@]}" max_prefill_predict_length=1024 \
+    rl.grpo_beta=0.04
+  run compile_llama8b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-256 \
+    model_name=llama3.1-8b "${POD[@]}" --compare_pretraining
+  run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
+    "${POD[@]}" || true  # fails with XLA's out-of-memory message, as it should
 fi
 
 if wanted bench; then
