@@ -68,7 +68,8 @@ fi
 if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no TPU); the 70B must not fit
   POD=(compile_topology_num_slices=1 dtype=bfloat16 attention=autoselected per_device_batch_size=1 max_target_length=2048
     run_name=compile base_output_directory="$OUT/compile")
-  QWEN=(compile_topology=v5p-8 model_name=qwen3-0.6b "${POD[@]}")
+  # qwen3's model config names a Hugging Face tokenizer; the bundled one stands in (nothing is tokenized here).
+  QWEN=(compile_topology=v5p-8 model_name=qwen3-0.6b override_model_config=true tokenizer_type=sentencepiece "${POD[@]}")
   run compile_qwen_sft "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" --compare_pretraining
   run compile_qwen_lora "$PY" -m maxtext_posttrain.compile sft_lora.yml "${QWEN[@]}"
   run compile_qwen_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${QWEN[@]}"
