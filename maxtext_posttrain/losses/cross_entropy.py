@@ -3,13 +3,18 @@
 import jax
 import jax.numpy as jnp
 
-from maxtext_posttrain.losses import logprobs
+from maxtext.utils import max_utils
 
 
 def token_cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Summed next-token cross entropy.
+  """Summed next-token cross entropy, by MaxText's own `cross_entropy_with_logits` on one-hot targets: the loss of
+  MaxText's pretraining step, so SFT's step holds no more memory than MaxText's for the same batch. Its custom
+  gradient, (softmax - one-hot) x the upstream, is elementwise and fuses with the logits; the autodiff of a
+  logsumexp and a gather of the targets' logits held [batch, length, vocab] float32 buffers MaxText's step does not
+  (0.49 GiB more temporaries per chip for llama3.1-8b's SFT step on v5p-256 at 2048 tokens,
+  `python -m maxtext_posttrain.compile`).
 
   Args:
     logits: [batch, length, vocab] unnormalised scores (any float dtype; computed in float32).
@@ -21,9 +26,7 @@ def token_cross_entropy(
     (total, weight, z_total): sum over tokens of weight * (cross entropy + z_loss * log(Z)^2), the sum of the
     weights, and the z-loss part of `total` alone (for logging).
   """
-  logits = logits.astype(jnp.float32)
   weights = weights.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  z_total = z_loss * jnp.sum(weights * jnp.square(log_z))
-  total = jnp.sum(weights * (log_z - logprobs.target_logits(logits, targets))) + z_total
-  return total, jnp.sum(weights), z_total
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+  per_token, z_per_token = max_utils.cross_entropy_with_logits(logits.astype(jnp.float32), one_hot, z_loss)
+  return jnp.sum(weights * per_token), jnp.sum(weights), jnp.sum(weights * z_per_token)

@@ -29,11 +29,12 @@ def mask_undecodable(logits: jax.Array, num_pieces: int) -> jax.Array:
 def target_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """`logits[..., tokens]`: [...] from [..., vocab] logits and [...] integer ids.
 
-  Read as a masked sum over the vocabulary rather than a gather, for memory: a gather's gradient is a scatter into a
-  [..., vocab] buffer, which XLA materialises in float32 beside the logits (1.16 GiB per chip for 2048 tokens of
-  qwen3's vocabulary), while a select's gradient is elementwise and fuses with the softmax's, as the one-hot
-  contraction of MaxText's own cross entropy does. Every other term of the sum is an exact zero, so the value is the
-  gathered logit bit for bit, and so is the gradient.
+  Read as a masked sum over the vocabulary rather than a gather, for memory: a gather cannot fuse with the tempered
+  logits it reads, which XLA then materialises in float32, and its gradient is a scatter into another [..., vocab]
+  buffer, while the select fuses both ways. Measured per chip (`python -m maxtext_posttrain.compile`, 2048 tokens):
+  DPO's reference forward and train step 4.04 -> 2.08 and 6.12 -> 4.80 GiB for llama3.1-8b on v5p-256, GRPO's
+  9.77 -> 5.47 and 16.39 -> 7.37 GiB for qwen3-0.6b on v5p-8. Every other term of the sum is an exact zero, so the
+  value is the gathered logit bit for bit, and so is the gradient.
   """
   ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
   return jnp.sum(jnp.where(ids == tokens[..., None].astype(jnp.int32), logits, 0.0), axis=-1)
