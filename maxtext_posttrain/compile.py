@@ -79,7 +79,7 @@ GIB = 2**30
 # Per-chip HBM that XLA's compile-time check allows, by `device_kind`: JAX's topology devices do not expose it
 # (`memory_stats` needs an addressable device). The figures are those libtpu 0.0.50.1 states in its
 # CompileTimeHbmOom message ("exceeds available HBM (95.73G)"), measured by compiling an oversize program for
-# v4-8, v5e-8, v5p-8, v6e-8 and tpu7x-8; the Cloud TPU documentation gives 32, 16, 95 and 32 GiB for the first four.
+# v4-8, v5e-8, v5p-8, v6e-8 and tpu7x-8 (the Cloud TPU documentation lists 32, 16, 95 and 32 GB for the first four).
 HBM_GIB = {"TPU v4": 30.75, "TPU v5 lite": 15.75, "TPU v5": 95.73, "TPU v6 lite": 31.24, "TPU7x": 94.74}
 SUMMARY_PREFIX = "compile_summary"
 PRETRAINING = "MaxText pretraining train step"
