@@ -17,7 +17,9 @@ def _directory(config) -> epath.Path:
   return epath.Path(config.base_output_directory) / config.run_name / "objective_state"
 
 
-def _due(config, step: int, final: bool) -> bool:
+def due(config, step: int, final: bool = False) -> bool:
+  """Whether the trained models are saved at `step` (MaxText's rule: every `checkpoint_period` steps, and the final
+  step)."""
   if not config.enable_checkpointing:
     return False
   return final or (step % config.checkpoint_period == 0 and (step > 0 or config.save_checkpoint_on_start))
@@ -25,7 +27,7 @@ def _due(config, step: int, final: bool) -> bool:
 
 def save(config, step: int, state: dict, final: bool = False) -> None:
   """Writes `state` for `step` when the models are saved at `step`; nothing for an objective without state."""
-  if not state or not _due(config, step, final) or jax.process_index() != 0:
+  if not state or not due(config, step, final) or jax.process_index() != 0:
     return
   directory = _directory(config)
   directory.mkdir(parents=True, exist_ok=True)

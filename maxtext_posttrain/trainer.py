@@ -129,6 +129,12 @@ class MetricLogger(metric_logger.MetricLogger):
         + ", ".join(f"{name}: {value:.3f}" for name, value in figures.items())
     )
 
+  def flush_buffered(self) -> None:
+    """Writes the rows MaxText's logger holds back (it writes step s's row at step s + 1, when reading it no longer
+    waits for the device)."""
+    while self.buffered_metrics:
+      self._flush_one_buffered_entry(self.buffered_metrics.pop(0))
+
   def write_scalars(self, scalars: dict[str, float], step: int, metric_type: str) -> None:
     """Rows outside MaxText's train/eval schema (our evaluations, data counts): TensorBoard and metrics_file."""
     if self.config.enable_tensorboard:
@@ -266,9 +272,14 @@ def _train_step(loop: Loop, batch) -> tuple[dict[str, Any], bool]:
   return metrics, primary_trained
 
 
-def _save(loop: Loop, step: int, final: bool = False) -> None:
+def _save(loop: Loop, logger: MetricLogger, step: int, final: bool = False) -> None:
   """Saves the objective's host state, then every trained role at `step`, the primary role last (with the data
-  iterator), so a run killed between saves leaves the primary role's latest step complete in every role."""
+  iterator), so a run killed between saves leaves the primary role's latest step complete in every role.
+
+  Every metrics row up to `step` (MaxText's logger holds the last one back) is written first: a run resumed from
+  this checkpoint starts logging at `step + 1`, so a row still held back when the run was killed would be lost."""
+  if objective_state.due(loop.config, step, final):
+    logger.flush_buffered()
   objective_state.save(loop.config, step, loop.objective.host_state(), final)
   models = list(loop.trained.values())
   for model in models[1:] + models[:1]:
@@ -302,7 +313,6 @@ def train(loop: Loop) -> dict[str, Any]:
       step_time, last_step_end = now - last_step_end, now
       loop.step = step + 1
       loop.objective.after_step(loop, step, metrics)
-      _save(loop, step)
       reached_target = False
       if eval_due and loop.step % config.eval_interval == 0:
         results = summary["evals"][loop.step] = evaluate(loop, logger)
@@ -311,6 +321,7 @@ def train(loop: Loop) -> dict[str, Any]:
         logger.buffer_and_write_metrics(metrics, step, step_time)
       else:  # MaxText's row needs the primary role's loss: the other roles' figures go in a row of their own
         logger.write_scalars({k: float(v) for k, v in metrics["scalar"].items()}, step, "train")
+      _save(loop, logger, step)
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
         scalars = metrics["scalar"]
         loss = float(scalars["learning/loss"]) if primary_trained else None
@@ -321,7 +332,7 @@ def train(loop: Loop) -> dict[str, Any]:
         )
         break
     if config.save_checkpoint_on_completion and loop.step > loop.start_step:
-      _save(loop, loop.step - 1, final=True)
+      _save(loop, logger, loop.step - 1, final=True)
     for model in loop.trained.values():
       model.wait_until_finished()
   finally:

@@ -54,8 +54,10 @@ _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
 
 
 def _env(**extra) -> dict[str, str]:
+  """The subprocesses' environment; Python's fault handler prints every thread's stack when a process dies of a
+  signal (an abort in native code), so the log says where."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
-  return env | {"JAX_PLATFORMS": "cpu", **extra}
+  return env | {"JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1", **extra}
 
 
 # The keys that make the same mesh (data 2 x fsdp 2) from 2 processes (DCN data axis over the processes: the
@@ -87,10 +89,11 @@ def launch(argv: list[str], out: pathlib.Path) -> subprocess.Popen:
 
 
 def _first_error(log: pathlib.Path) -> str:
-  """The log from its first error line on (30 lines), or its last 30 lines."""
-  lines = log.read_text(errors="replace").splitlines()
+  """The log from its first error line on (30 lines), then its last 40 lines (where a signal's stacks are)."""
+  lines = [line for line in log.read_text(errors="replace").splitlines() if "Config param" not in line]
   start = next((i for i, line in enumerate(lines) if "Error" in line or "Fatal" in line or "error:" in line), None)
-  return "\n".join(lines[-30:] if start is None else lines[start : start + 30])
+  head = [] if start is None else lines[start : start + 30]
+  return "\n".join(head + ["..."] + lines[-40:])
 
 
 def finish(process: subprocess.Popen, out: pathlib.Path) -> None:
