@@ -36,8 +36,7 @@ def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
     name = yml.removesuffix(".yml")
     argv = ["", yml, f"run_name={name}", f"base_output_directory={out}", "grain_file_type=jsonl"]
     argv += [f"grain_train_files={out / 'train.jsonl'}", f"grain_eval_files={out / 'test.jsonl'}", "steps=200"]
-    argv += ["eval_interval=200", "eval_generation_examples=64", "enable_checkpointing=false"]
-    argv += [f"metrics_file={out / name}.jsonl"]
+    argv += ["eval_interval=200", "enable_checkpointing=false", f"metrics_file={out / name}.jsonl"]
     if name == "distill":
       argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}"]
     _, summary = run_utils.run(posttrain_config.initialize(argv))
@@ -45,14 +44,17 @@ def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
   return runs
 
 
-def test_a_distilled_student_beats_the_same_student_trained_by_sft(transfer_runs):
+def test_a_distilled_student_has_a_lower_held_out_cross_entropy_than_the_same_student_trained_by_sft(transfer_runs):
   """On a small transfer set the SFT student memorises its labels; the teacher's soft targets carry what the teacher
-  learnt from all the data, giving a lower held-out cross entropy and a higher greedy answer accuracy."""
+  learnt from all the data, giving a held-out cross entropy at least 20% lower (0.28 against 0.61).
+
+  Greedy answer accuracy is not asserted: at this size halving the cross entropy does not become many more right
+  answers, and on a few held-out prompts the sign of the difference follows the last digits of the trajectories
+  (64 prompts: 28.1% against 15.6%, then 17.2% against 21.9% after a change of float32 rounding in the cross entropy;
+  256 prompts: 24.2% against 23.0%)."""
   sft, student = transfer_runs["sft"]["eval"], transfer_runs["distill"]["eval"]
-  print(f"held-out CE: SFT {sft['eval/loss']:.4f}, distilled {student['eval/ce']:.4f}; answer accuracy: SFT "
-        f"{sft['eval/answer_accuracy']:.3f}, distilled {student['eval/answer_accuracy']:.3f}")  # fmt: skip
+  print(f"held-out CE: SFT {sft['eval/loss']:.4f}, distilled {student['eval/ce']:.4f}")
   assert student["eval/ce"] < 0.8 * sft["eval/loss"], (student, sft)
-  assert student["eval/answer_accuracy"] > sft["eval/answer_accuracy"], (student, sft)
   rows = transfer_runs["distill"]["rows"]
   assert rows[199]["learning/divergence"] < 0.1 * rows[0]["learning/divergence"], (rows[0], rows[199])
 
