@@ -50,15 +50,15 @@ def rl_prompts(tmp_path_factory):
   return path
 
 
-def _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, config_file, *overrides):
+def _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, config_file, learning_rate):
   """The 2-layer SFT policy in a 20-step RL run on `rl_prompts` whose only reward is the 4-layer reward model."""
   return make_config(
       "per_device_batch_size=4", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false",
       "rl.rewards=[reward_model]", "rl.reward_weights=[1.0]", "rl.grpo_beta=0", "eval_interval=0", "steps=20",
       f"reward_model_overrides.load_parameters_path={reward_model['checkpoint']}", f"reward_model_overrides.{DEEP}",
       "grain_file_type=jsonl", f"grain_train_files={rl_prompts}", f"grain_eval_files={rl_prompts}",
-      "train_data_columns=[question,answer]", "eval_data_columns=[question,answer]", "learning_rate=1e-3",
-      f"load_parameters_path={sft_checkpoint}", *overrides, config_file=config_file,
+      "train_data_columns=[question,answer]", "eval_data_columns=[question,answer]", f"learning_rate={learning_rate}",
+      f"load_parameters_path={sft_checkpoint}", config_file=config_file,
   )  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def _score_gain(loop) -> tuple[float, float]:
 def test_grpo_with_the_reward_model_raises_its_score(make_config, reward_model, sft_checkpoint, rl_prompts):
   """`rl.rewards=[reward_model]`: the frozen reward model scores each rollout at its last token, and 20 GRPO steps
   raise its mean score."""
-  config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "grpo.yml")
+  config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "grpo.yml", 1e-3)
   before, after = _score_gain(trainer.setup(config))
   assert after > before + 0.5, (before, after)
 
@@ -91,8 +91,12 @@ def test_ppo_with_the_reward_model_raises_its_score_from_a_critic_started_from_i
     make_config, reward_model, sft_checkpoint, rl_prompts
 ):
   """PPO with a reward model: its critic starts from the reward model's checkpoint (ppo.critic_init=auto), head
-  included, each rollout's reward-model score is logged, and 20 steps raise that score."""
-  loop = trainer.setup(_rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "ppo.yml"))
+  included, each rollout's reward-model score is logged, and 20 steps raise that score.
+
+  At GRPO's learning rate, 1e-3, PPO's 20 steps were unstable: over rl.sampling_seed 0, 1, 2 the score moved by
+  -0.76, +1.94 and +0.15; at 3e-4 by +0.72, +1.47 and +1.28."""
+  config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "ppo.yml", 3e-4)
+  loop = trainer.setup(config)
   np.testing.assert_array_equal(
       jax.device_get(loop.trained["critic"].state.model.scalar_head.kernel.get_value()),
       jax.device_get(loop.frozen["reward_model"].state.scalar_head.kernel.get_value()),
