@@ -75,6 +75,12 @@ if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no
   run compile_qwen_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${QWEN[@]}"
   run compile_qwen_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${QWEN[@]}" max_prefill_predict_length=1024 \
     rl.grpo_beta=0.04
+  # MaxText's pretraining step on as many rows per chip as DPO's (2: chosen and rejected) and GRPO's (8 completions)
+  # train steps hold, for their rows in the table.
+  for rows in 2 8; do
+    run "compile_qwen_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" \
+      per_device_batch_size=$rows --compare_pretraining
+  done
   run compile_llama8b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-256 \
     model_name=llama3.1-8b "${POD[@]}" --compare_pretraining
   run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
