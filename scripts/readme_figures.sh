@@ -81,8 +81,15 @@ if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no
     run "compile_qwen_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" \
       per_device_batch_size=$rows --compare_pretraining
   done
-  run compile_llama8b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-256 \
-    model_name=llama3.1-8b "${POD[@]}" --compare_pretraining
+  LLAMA=(compile_topology=v5p-256 model_name=llama3.1-8b "${POD[@]}")
+  run compile_llama8b_sft "$PY" -m maxtext_posttrain.compile sft.yml "${LLAMA[@]}" --compare_pretraining
+  run compile_llama8b_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${LLAMA[@]}"
+  run compile_llama8b_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${LLAMA[@]}" max_prefill_predict_length=1024 \
+    rl.grpo_beta=0.04
+  for rows in 2 8; do
+    run "compile_llama8b_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "${LLAMA[@]}" \
+      per_device_batch_size=$rows --compare_pretraining
+  done
   run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
     "${POD[@]}" || true  # fails with XLA's out-of-memory message, as it should
 fi
