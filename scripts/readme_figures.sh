@@ -70,26 +70,23 @@ if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no
     run_name=compile base_output_directory="$OUT/compile")
   # qwen3's model config names a Hugging Face tokenizer; the bundled one stands in (nothing is tokenized here).
   QWEN=(compile_topology=v5p-8 model_name=qwen3-0.6b override_model_config=true tokenizer_type=sentencepiece "${POD[@]}")
-  run compile_qwen_sft "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" --compare_pretraining
+  # Per model: SFT with MaxText's pretraining step beside it, DPO, GRPO, and MaxText's pretraining step on as many
+  # rows per chip as DPO's (2: chosen and rejected) and GRPO's (8 completions) train steps hold.
+  compile_model() {
+    local name=$1
+    shift
+    run "compile_${name}_sft" "$PY" -m maxtext_posttrain.compile sft.yml "$@" --compare_pretraining
+    run "compile_${name}_dpo" "$PY" -m maxtext_posttrain.compile dpo.yml "$@"
+    run "compile_${name}_grpo" "$PY" -m maxtext_posttrain.compile grpo.yml "$@" max_prefill_predict_length=1024 \
+      rl.grpo_beta=0.04
+    for rows in 2 8; do
+      run "compile_${name}_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "$@" per_device_batch_size=$rows \
+        --compare_pretraining
+    done
+  }
+  compile_model qwen "${QWEN[@]}"
   run compile_qwen_lora "$PY" -m maxtext_posttrain.compile sft_lora.yml "${QWEN[@]}"
-  run compile_qwen_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${QWEN[@]}"
-  run compile_qwen_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${QWEN[@]}" max_prefill_predict_length=1024 \
-    rl.grpo_beta=0.04
-  # MaxText's pretraining step on as many rows per chip as DPO's (2: chosen and rejected) and GRPO's (8 completions)
-  # train steps hold, for their rows in the table.
-  for rows in 2 8; do
-    run "compile_qwen_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "${QWEN[@]}" \
-      per_device_batch_size=$rows --compare_pretraining
-  done
-  LLAMA=(compile_topology=v5p-256 model_name=llama3.1-8b "${POD[@]}")
-  run compile_llama8b_sft "$PY" -m maxtext_posttrain.compile sft.yml "${LLAMA[@]}" --compare_pretraining
-  run compile_llama8b_dpo "$PY" -m maxtext_posttrain.compile dpo.yml "${LLAMA[@]}"
-  run compile_llama8b_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${LLAMA[@]}" max_prefill_predict_length=1024 \
-    rl.grpo_beta=0.04
-  for rows in 2 8; do
-    run "compile_llama8b_sft_rows$rows" "$PY" -m maxtext_posttrain.compile sft.yml "${LLAMA[@]}" \
-      per_device_batch_size=$rows --compare_pretraining
-  done
+  compile_model llama8b compile_topology=v5p-256 model_name=llama3.1-8b "${POD[@]}"
   run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
     "${POD[@]}" || true  # fails with XLA's out-of-memory message, as it should
 fi

@@ -20,12 +20,10 @@ def _built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
   own base temp directories, as pytest-xdist documents: the first worker to ask builds it under a file lock, the
   others wait for that lock and then read what it wrote. A build that raised leaves no marker; the next worker to ask
   starts over from an empty directory (a half-written run directory would otherwise be resumed) and fails alike.
-  Without xdist the directory is an ordinary temporary one of this session."""
-  if os.environ.get("PYTEST_XDIST_WORKER") is None:
-    directory = tmp_path_factory.mktemp(name)
-    build(directory)
-    return directory
-  root = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+  Without xdist the directory sits in this session's own base temp directory."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+    root = root.parent  # this session's, shared by its workers
   directory = root / name
   with open(root / f"{name}.lock", "w", encoding="utf-8") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -63,8 +61,8 @@ def pytest_xdist_make_scheduler(config, log):
   """Under `--dist loadfile`, the costliest files first (longest processing time first).
 
   pytest-xdist orders files by their number of tests, so the slow files with few tests (the reward model's, the
-  installed wheel's, the 4-device agreements) were handed out last, and one of them ran alone on one worker for
-  minutes while the other sat idle. Started first, they overlap, and the many quick files fill the end."""
+  multi-process runs, the installed wheel's) would be handed out last, where one of them can run alone on one worker
+  for minutes while the other idles. Started first, they overlap, and the many quick files fill the end."""
   if config.getoption("dist") != "loadfile":
     return None
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
