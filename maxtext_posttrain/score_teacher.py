@@ -49,14 +49,15 @@ def score_split(teacher: roles.FrozenModel, examples: pipeline.TokenizedExamples
   calls = -(-len(examples) // rows_per_call)
   report = progress.Progress(calls, 0, rows_per_call * length, label=label)
   for call in range(calls):
-    chunk = examples.arrays[call * rows_per_call : (call + 1) * rows_per_call]
-    tokens = [inputs for inputs, _ in chunk]
+    chunk = [examples[i] for i in range(call * rows_per_call, min(len(examples), (call + 1) * rows_per_call))]
+    tokens = [example["inputs"] for example in chunk]
     rows = _rows(tokens + [[pad_id]] * (rows_per_call - len(chunk)), length, pad_id)
     batch = pipeline.global_batch(rows, config, mesh)
     outputs = teacher.run(top_k, batch["inputs"], batch["positions"], batch["segmentation"], temperature)
     ids, logprobs, log_rest = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in outputs)
     if jax.process_index() == 0:
-      for row, (inputs, targets) in enumerate(chunk):
+      for row, example in enumerate(chunk):
+        inputs, targets = example["inputs"], example["targets"]
         kept = teacher_logits.scored_positions(inputs, targets, pad_id)
         writer.write(len(inputs), kept, ids[row, kept], logprobs[row, kept], log_rest[row, kept])
     if (call + 1) % max(1, calls // 10) == 0 or call + 1 == calls:

@@ -6,7 +6,8 @@ scripts/launch_local.sh.
 For each named config, builds the run's mesh and its objective's training data exactly as `maxtext_posttrain.train`
 does, takes `steps` global batches and writes `<out_dir>/<name>.<process>.json`: the identities of the examples in
 this process's block of rows, per step: the prompt index for RL objectives, a digest of the row's tokens otherwise
-(one example per row: packing=false).
+(one example per row: packing=false); and how many records this process read from the split's source (every read
+is followed by its tokenization), with the split's size.
 """
 
 import hashlib
@@ -21,6 +22,7 @@ from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objectives
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts
+from maxtext_posttrain.data import sources
 
 # The keys whose rows name an example, per kind of batch.
 _IDENTITY_KEYS = ((prompts.INDEX_KEY,), ("chosen_inputs", "rejected_inputs"), ("inputs",))
@@ -37,16 +39,39 @@ def example_ids(batch: dict[str, jax.Array]) -> list[str]:
   ]
 
 
+class _CountingSource(sources.RecordSource):
+  """A record source that counts its reads (the probe opens sources through it)."""
+
+  reads = 0
+
+  def __getitem__(self, index):
+    _CountingSource.reads += 1
+    return super().__getitem__(index)
+
+
+def _open_counting_source(*args, **kwargs) -> sources.RecordSource:
+  source = _OPEN_SOURCE(*args, **kwargs)
+  _OPENED.append(len(source))
+  return _CountingSource(source.rows, source.description)
+
+
+_OPEN_SOURCE, _OPENED = sources.open_source, []
+
+
 def main(argv: list[str]) -> None:
+  sources.open_source = _open_counting_source  # this probe process only
   out_dir, steps = argv[1], int(argv[2])
   groups = " ".join(argv[3:]).split(" -- ")
   for name, *config_argv in (group.split() for group in groups):
     config = posttrain_config.initialize(["", *config_argv])
     mesh = mesh_lib.make_mesh(config)
+    _CountingSource.reads, _OPENED[:] = 0, []
     data = objectives.get(config.posttrain_mode)(config).make_data(mesh)
     ids = [example_ids(next(data.train)) for _ in range(steps)]
+    summary = {"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}
+    summary |= {"source_sizes": list(_OPENED), "reads": _CountingSource.reads}
     with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:
-      json.dump({"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}, f)
+      json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ MaxText's checkpointing saves and restores the iterator (dataset_type=grain): a 
 data order. Prompt tokens are masked the way MaxText's `SFTPromptMasking` masks them (target = pad id, which
 `ShiftData` turns into targets_segmentation 0).
 
-Each split is tokenized once, in source order, at setup. Post-training sets are small (tens of thousands of short
-examples tokenize in about a second), and the pass buys three things: overlong examples are truncated or rejected
-with their index, examples with no completion left are dropped before they can make an all-masked row, and every
-split gets counts and a fingerprint (sha256 of its tokens) for the run manifest.
+Each split gets a setup pass (`split_pass`: every process tokenizes its block of the examples, and all share the
+outcome), which buys three things: overlong examples are truncated or rejected with their index, examples with no
+completion left are dropped before they can make an all-masked row, and every split gets counts and a fingerprint
+(sha256 of its tokens) for the run manifest. Batches tokenize their examples again when grain reads them.
 """
 
 import dataclasses
@@ -28,6 +28,7 @@ from maxtext.input_pipeline import tokenizer as maxtext_tokenizer
 from maxtext.utils import max_logging
 from maxtext.utils import sharding as maxtext_sharding
 from maxtext_posttrain.data import sources
+from maxtext_posttrain.data import split_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +53,6 @@ class DataStats:
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedExamples:
-  """Kept examples as (inputs, targets) token arrays; a grain source yielding a fresh dict per read."""
-
-  arrays: tuple[tuple[np.ndarray, np.ndarray], ...]
-
-  def __len__(self):
-    return len(self.arrays)
-
-  def __getitem__(self, index):
-    inputs, targets = self.arrays[index]
-    return {"inputs": inputs, "targets": targets}  # fresh: MaxText's transforms add keys in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,16 +107,49 @@ class Encoder:
     raise TypeError(f"Cannot count the pieces of a {type(self.tokenizer).__name__}.")
 
 
-def _mask_prompt(prompt_ids, completion_ids, config, pad_id):
-  """(inputs, targets) as MaxText's SFTPromptMasking builds them, truncated to max_target_length."""
-  masking = input_pipeline_utils.SFTPromptMasking(
-      text_column_name="chunks",
-      completion_only=config.sft_train_on_completion_only,
-      max_target_length=config.max_target_length,
-      unk_id=pad_id,
-  )
-  example = masking.map({"chunks": [prompt_ids, completion_ids], "is_prompt": [True, False]})
-  return example["inputs"], example["targets"]
+@dataclasses.dataclass(frozen=True)
+class SftEncoding:
+  """How one record of a split becomes MaxText SFT tokens: template, tokenizer, prompt masking the way MaxText's
+  `SFTPromptMasking` masks (target = pad id, which `ShiftData` turns into targets_segmentation 0), truncation."""
+
+  encoder: Encoder
+  columns: tuple[str, str]  # prompt, completion
+  masking: input_pipeline_utils.SFTPromptMasking
+
+  @classmethod
+  def from_config(cls, config, encoder: Encoder, train: bool) -> "SftEncoding":
+    masking = input_pipeline_utils.SFTPromptMasking(
+        text_column_name="chunks",
+        completion_only=config.sft_train_on_completion_only,
+        max_target_length=config.max_target_length,
+        unk_id=encoder.pad_id,
+    )
+    return cls(encoder, tuple(config.train_data_columns if train else config.eval_data_columns), masking)
+
+  def tokens(self, record) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a record, before truncation."""
+    return self.encoder.prompt_ids(record[self.columns[0]]), self.encoder.completion_ids(record[self.columns[1]])
+
+  def example(self, prompt_ids, completion_ids) -> dict[str, np.ndarray]:
+    """{inputs, targets}, truncated to max_target_length; a fresh dict (MaxText's transforms add keys in place)."""
+    example = self.masking.map({"chunks": [prompt_ids, completion_ids], "is_prompt": [True, False]})
+    return {"inputs": example["inputs"], "targets": example["targets"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedExamples:
+  """A split's kept examples as a grain source, each tokenized when read (so a process tokenizes the examples of
+  its own batches only)."""
+
+  source: sources.RecordSource
+  kept: np.ndarray  # source indices
+  encoding: SftEncoding
+
+  def __len__(self):
+    return len(self.kept)
+
+  def __getitem__(self, index):
+    return self.encoding.example(*self.encoding.tokens(self.source[int(self.kept[index])]))
 
 
 def _num_target_tokens(targets, prompt_len, pad_id) -> int:
@@ -139,44 +159,40 @@ def _num_target_tokens(targets, prompt_len, pad_id) -> int:
 
 
 def tokenize_split(source: sources.RecordSource, encoder: Encoder, config, split: str):
-  """One pass over `source` in order: returns (TokenizedExamples, SplitStats); overlong examples follow
-  `config.overlong_policy`."""
-  prompt_column, completion_column = config.train_data_columns if split == "train" else config.eval_data_columns
+  """The split's setup pass (`split_pass`: each process tokenizes its block): returns (TokenizedExamples,
+  SplitStats); overlong examples follow `config.overlong_policy`."""
+  encoding = SftEncoding.from_config(config, encoder, split == "train")
   max_len = config.max_target_length
-  digest = hashlib.sha256()
-  kept, num_truncated, num_skipped, num_tokens, num_target_tokens = [], 0, 0, 0, 0
-  for index in range(len(source)):
-    record = source[index]
-    prompt_ids = encoder.prompt_ids(record[prompt_column])
-    completion_ids = encoder.completion_ids(record[completion_column])
+
+  def visit(index):
+    prompt_ids, completion_ids = encoding.tokens(source[index])
     length = len(prompt_ids) + len(completion_ids)
     if length > max_len and config.overlong_policy == "error":
       raise ValueError(
           f"{split} example {index} of {source.description} has {length} tokens, more than "
           f"max_target_length={max_len} (overlong_policy=error)."
       )
-    inputs, targets = _mask_prompt(prompt_ids, completion_ids, config, encoder.pad_id)
+    example = encoding.example(prompt_ids, completion_ids)
+    inputs, targets = example["inputs"], example["targets"]
     targets_kept = _num_target_tokens(targets, len(prompt_ids), encoder.pad_id)
     if targets_kept == 0:
-      num_skipped += 1
-      continue
-    num_truncated += length > max_len
-    num_tokens += len(inputs)
-    num_target_tokens += targets_kept
-    digest.update(np.asarray([index, len(inputs)], dtype=np.int64).tobytes() + inputs.tobytes() + targets.tobytes())
-    kept.append((inputs, targets))
+      return split_pass.Visit(kept=False, counts=(0, 1, 0, 0))
+    digest = hashlib.sha256(np.asarray([len(inputs)], np.int64).tobytes() + inputs.tobytes() + targets.tobytes())
+    return split_pass.Visit(True, (int(length > max_len), 0, len(inputs), targets_kept), digest.digest())
+
+  table = split_pass.run(len(source), visit, num_counts=4)
   stats = SplitStats(
       source=source.description,
       num_examples=len(source),
-      num_truncated=int(num_truncated),
-      num_skipped=num_skipped,
-      num_tokens=num_tokens,
-      num_target_tokens=num_target_tokens,
-      fingerprint=digest.hexdigest(),
+      num_truncated=table.total(0),
+      num_skipped=table.total(1),
+      num_tokens=table.total(2),
+      num_target_tokens=table.total(3),
+      fingerprint=table.fingerprint,
   )
-  if not kept:
+  if not table.kept.size:
     raise ValueError(f"Empty {split} split: all {len(source)} examples of {source.description} were skipped.")
-  return TokenizedExamples(tuple(kept)), stats
+  return TokenizedExamples(source, table.kept, encoding), stats
 
 
 def prepare_split(config, train: bool, encoder: Encoder | None = None):

@@ -7,8 +7,9 @@ to `dpo.max_prompt_length`, keeping its bos) then the completion, with loss weig
 Pairs are never packed. Chosen and rejected are separate arrays so that MaxText's gradient accumulation, which
 splits every array of a batch the same way, keeps pairs together; the objective interleaves them for one forward.
 
-Like the SFT pipeline, each split is tokenized once at setup: a pair whose chosen equals its rejected is skipped and
-counted, an overlong pair is truncated (and counted) or rejected with its index, and every split gets a fingerprint.
+Like the SFT pipeline, each split has a setup pass shared by the processes (`split_pass`): a pair whose chosen equals
+its rejected is skipped and counted, an overlong pair is truncated (and counted) or rejected with its index, and
+every split gets a fingerprint; batches tokenize their pairs again when grain reads them.
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ from maxtext.utils import max_logging
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import sources
+from maxtext_posttrain.data import split_pass
 
 SIDES = ("chosen", "rejected")
 FIELDS = ("inputs", "targets", "positions", "segmentation", "weights")
@@ -71,102 +73,128 @@ def side_arrays(prompt: list[int], completion: list[int], length: int, pad_id: i
 
 
 @dataclasses.dataclass(frozen=True)
-class PairExamples:
-  """Kept pairs as token lists; a grain source building each pair's padded rows when read. `extra` holds per-pair
-  arrays added after tokenization (the precomputed reference log-probs), keyed like the batch."""
+class PairEncoding:
+  """How one preference record becomes (prompt, chosen, rejected) token lists: template, tokenizer, bos/eos, the
+  prompt left-cut to `dpo.max_prompt_length` (bos kept) and each completion cut to the room left."""
 
-  pairs: tuple[tuple[list[int], list[int], list[int]], ...]
-  length: int
-  pad_id: int
+  encoder: pipeline.Encoder
+  columns: tuple[str, ...]  # prompt, chosen, rejected[, margin]
+  length: int  # max_target_length
+  max_prompt: int
+  keep_bos: bool
+
+  @classmethod
+  def from_config(cls, config, encoder: pipeline.Encoder, train: bool) -> "PairEncoding":
+    columns = tuple(config.train_data_columns if train else config.eval_data_columns)
+    max_prompt = config_lib.preference(config).max_prompt_length
+    return cls(encoder, columns, config.max_target_length, max_prompt, bool(config.add_bos))
+
+  def tokens(self, record) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids before truncation."""
+    prompt_column, chosen_column, rejected_column = self.columns[:3]
+    return (
+        self.encoder.prompt_ids(record[prompt_column]),
+        self.encoder.completion_ids(record[chosen_column]),
+        self.encoder.completion_ids(record[rejected_column]),
+    )
+
+  def overlong(self, prompt, chosen, rejected) -> bool:
+    return len(prompt) > self.max_prompt or len(prompt) + max(len(chosen), len(rejected)) > self.length
+
+  def fit(self, prompt, chosen, rejected):
+    """(prompt, chosen, rejected) cut to fit."""
+    if len(prompt) > self.max_prompt:
+      head = prompt[:1] if self.keep_bos else []
+      prompt = head + prompt[len(prompt) - (self.max_prompt - len(head)) :]
+    room = self.length - len(prompt)
+    return prompt, chosen[:room], rejected[:room]
+
+  def margin(self, record, where: str) -> float | None:
+    """The record's reward margin (a fourth column), or None without one."""
+    if len(self.columns) < 4:
+      return None
+    value = record[self.columns[3]]
+    try:
+      margin = float(value)
+    except ValueError:
+      margin = float("nan")
+    if not np.isfinite(margin):
+      raise ValueError(
+          f"{where}: column {self.columns[3]!r} holds {value!r}, not a finite number (a per-pair reward margin)."
+      )
+    return margin
+
+
+@dataclasses.dataclass(frozen=True)
+class PairExamples:
+  """A split's kept pairs as a grain source, each tokenized into its padded rows when read (so a process tokenizes
+  the pairs of its own batches only). `extra` holds per-pair arrays added after the setup pass (the precomputed
+  reference log-probs), keyed like the batch."""
+
+  source: sources.RecordSource
+  kept: np.ndarray  # source indices
+  encoding: PairEncoding
   extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
   def __len__(self):
-    return len(self.pairs)
+    return len(self.kept)
 
   def __getitem__(self, index):
-    prompt, chosen, rejected = self.pairs[index]
+    record = self.source[int(self.kept[index])]
+    prompt, *completions = self.encoding.fit(*self.encoding.tokens(record))
     example = {}
-    for side, completion in zip(SIDES, (chosen, rejected)):
-      for field, array in side_arrays(prompt, completion, self.length, self.pad_id).items():
+    for side, completion in zip(SIDES, completions):
+      for field, array in side_arrays(prompt, completion, self.encoding.length, self.encoding.encoder.pad_id).items():
         example[f"{side}_{field}"] = array
+    margin = self.encoding.margin(record, f"pair {index}")
+    if margin is not None:
+      example[MARGIN] = np.float32(margin)
     for key, values in self.extra.items():
       example[key] = values[index]
     return example
 
 
-def _fit(prompt, chosen, rejected, config, max_prompt: int, where: str):
-  """(prompt, chosen, rejected, truncated): the prompt left-cut to `dpo.max_prompt_length` (bos kept), then each
-  completion cut to the room left; with overlong_policy=error, raises naming the pair instead."""
-  length = config.max_target_length
-  overlong = len(prompt) > max_prompt or len(prompt) + max(len(chosen), len(rejected)) > length
-  if overlong and config.overlong_policy == "error":
-    raise ValueError(
-        f"{where} is longer than allowed (prompt {len(prompt)} tokens, dpo.max_prompt_length={max_prompt}; "
-        f"completions {len(chosen)}/{len(rejected)}, max_target_length={length}) and overlong_policy=error."
-    )
-  if len(prompt) > max_prompt:
-    head = prompt[:1] if config.add_bos else []
-    prompt = head + prompt[len(prompt) - (max_prompt - len(head)) :]
-  room = length - len(prompt)
-  return prompt, chosen[:room], rejected[:room], overlong
-
-
 def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, config, split: str):
-  """One pass over `source` in order: (PairExamples, PairSplitStats)."""
-  prompt_column, chosen_column, rejected_column, *margin_column = (
-      config.train_data_columns if split == "train" else config.eval_data_columns
-  )
-  max_prompt = config_lib.preference(config).max_prompt_length
-  digest = hashlib.sha256()
-  kept, margins, num_identical, num_truncated, num_skipped, num_tokens = [], [], 0, 0, 0, 0
-  for index in range(len(source)):
+  """The split's setup pass (`split_pass`: each process tokenizes its block): (PairExamples, PairSplitStats)."""
+  encoding = PairEncoding.from_config(config, encoder, split == "train")
+  _, chosen_column, rejected_column = encoding.columns[:3]
+
+  def visit(index):  # counts: identical, truncated, skipped, completion tokens
     record = source[index]
     if record[chosen_column] == record[rejected_column]:
-      num_identical += 1
-      continue
+      return split_pass.Visit(kept=False, counts=(1, 0, 0, 0))
     where = f"{split} pair {index} of {source.description}"
-    prompt, chosen, rejected, truncated = _fit(
-        encoder.prompt_ids(record[prompt_column]),
-        encoder.completion_ids(record[chosen_column]),
-        encoder.completion_ids(record[rejected_column]),
-        config,
-        max_prompt,
-        where,
-    )
+    tokens = encoding.tokens(record)
+    overlong = encoding.overlong(*tokens)
+    if overlong and config.overlong_policy == "error":
+      prompt, chosen, rejected = tokens
+      raise ValueError(
+          f"{where} is longer than allowed (prompt {len(prompt)} tokens, dpo.max_prompt_length={encoding.max_prompt}; "
+          f"completions {len(chosen)}/{len(rejected)}, max_target_length={encoding.length}) and overlong_policy=error."
+      )
+    prompt, chosen, rejected = encoding.fit(*tokens)
     if not chosen or not rejected or chosen == rejected:
-      num_skipped += 1  # nothing left to learn from, or the cut made both sides equal
-      continue
-    num_truncated += truncated
-    num_tokens += len(chosen) + len(rejected)
-    for ids in (prompt, chosen, rejected):
-      digest.update(np.asarray([len(ids)] + ids, dtype=np.int64).tobytes())
-    kept.append((prompt, chosen, rejected))
-    if margin_column:
-      margins.append(_margin(record[margin_column[0]], where, margin_column[0]))
+      return split_pass.Visit(kept=False, counts=(0, 0, 1, 0))  # nothing left to learn from, or the cut made both equal
+    encoding.margin(record, where)  # a bad margin fails here, at setup
+    digest = hashlib.sha256(
+        b"".join(np.asarray([len(ids)] + ids, np.int64).tobytes() for ids in (prompt, chosen, rejected))
+    )
+    return split_pass.Visit(True, (0, int(overlong), 0, len(chosen) + len(rejected)), digest.digest())
+
+  table = split_pass.run(len(source), visit, num_counts=4)
   stats = PairSplitStats(
       source=source.description,
       num_examples=len(source),
-      num_identical=num_identical,
-      num_truncated=int(num_truncated),
-      num_skipped=num_skipped,
-      num_pairs=len(kept),
-      num_completion_tokens=num_tokens,
-      fingerprint=digest.hexdigest(),
+      num_identical=table.total(0),
+      num_truncated=table.total(1),
+      num_skipped=table.total(2),
+      num_pairs=len(table.kept),
+      num_completion_tokens=table.total(3),
+      fingerprint=table.fingerprint,
   )
-  if not kept:
+  if not table.kept.size:
     raise ValueError(f"Empty {split} split: none of the {len(source)} pairs of {source.description} was kept.")
-  extra = {MARGIN: np.asarray(margins, np.float32)} if margin_column else {}
-  return PairExamples(tuple(kept), config.max_target_length, encoder.pad_id, extra), stats
-
-
-def _margin(value, where: str, column: str) -> float:
-  try:
-    margin = float(value)
-  except ValueError:
-    margin = float("nan")
-  if not np.isfinite(margin):
-    raise ValueError(f"{where}: column {column!r} holds {value!r}, not a finite number (a per-pair reward margin).")
-  return margin
+  return PairExamples(source, table.kept, encoding), stats
 
 
 def prepare_pairs(config, train: bool, encoder: pipeline.Encoder | None = None):

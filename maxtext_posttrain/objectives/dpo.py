@@ -10,6 +10,7 @@ Chosen and rejected go through the policy in one forward: the two [B, L] halves 
 (pair i's chosen at row 2i, its rejected at 2i + 1), which keeps every pair on the devices that hold it.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -115,21 +116,23 @@ class Preference(Objective):
 
   def _with_reference_logps(self, examples, mesh):
     """`examples` with every pair's reference log-probs, scored once in global batches by a reference model that
-    is freed afterwards. Every process scores all pairs (each holds all of them), so all get the same arrays."""
+    is freed afterwards. Each process tokenizes its block of each batch's rows; the scores are gathered, so every
+    process holds them all (over epochs, any process may read any pair)."""
     config = self.config
     reference = roles.build_frozen(roles.reference(), config, mesh, copy=True)
     batch_size = config.global_batch_size_to_load
+    rows = pipeline.process_rows(pipeline.batch_sharding(config, mesh, 2), (batch_size, config.max_target_length))
     scored = {key: np.zeros((len(examples), config.max_target_length), np.float32) for key in REFERENCE_KEYS}
     max_logging.log(f"Precomputing reference log-probs of {len(examples)} training pairs.")
     for start in range(0, len(examples), batch_size):
       indices = [min(i, len(examples) - 1) for i in range(start, start + batch_size)]  # the last batch repeats
-      rows = [examples[i] for i in indices]
-      batch = pipeline.global_batch({key: np.stack([row[key] for row in rows]) for key in rows[0]}, config, mesh)
+      local = [examples[i] for i in indices[rows]]
+      batch = pipeline.process_local_batch({key: np.stack([row[key] for row in local]) for key in local[0]}, config, mesh)
       out = multihost_utils.process_allgather(reference.run(reference_logps, batch), tiled=True)
       count = min(batch_size, len(examples) - start)
       for key in REFERENCE_KEYS:
         scored[key][start : start + count] = np.asarray(out[key])[:count]
-    return preference_data.PairExamples(examples.pairs, examples.length, examples.pad_id, examples.extra | scored)
+    return dataclasses.replace(examples, extra=examples.extra | scored)
 
   def _add_reference(self, loop, batch):
     if self.needs_reference and not self.precompute:
