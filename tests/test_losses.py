@@ -96,3 +96,21 @@ def test_the_losses_neither_gather_nor_scatter_over_the_vocabulary():
   ):
     program = str(jax.make_jaxpr(jax.value_and_grad(loss))(logits))
     assert "gather" not in program and "scatter" not in program, program
+
+
+def test_entropy_and_its_gradient_match_numpy_with_masked_ids():
+  """H = -sum p log p, dH/dx_i = -p_i (log p_i + H) over the decodable ids; masked ids have p = 0 and no gradient.
+  (PPO's entropy bonus differentiates it; GRPO logs it.)"""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 9)).astype(np.float32) * 3
+  masked = logprobs.mask_undecodable(jnp.asarray(logits), 7)
+  got, grad = jax.value_and_grad(lambda x: jnp.sum(logprobs.entropy(x)))(masked)
+  x = logits[..., :7].astype(np.float64)
+  log_p = x - x.max(-1, keepdims=True)
+  log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+  want = -(np.exp(log_p) * log_p).sum(-1)
+  np.testing.assert_allclose(jax.vmap(jax.vmap(logprobs.entropy))(masked), want, rtol=1e-5)
+  np.testing.assert_allclose(got, want.sum(), rtol=1e-5)
+  want_grad = -np.exp(log_p) * (log_p + want[..., None])
+  np.testing.assert_allclose(np.asarray(grad)[..., :7], want_grad, atol=1e-6)
+  assert not np.asarray(grad)[..., 7:].any()

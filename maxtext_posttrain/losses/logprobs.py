@@ -56,3 +56,12 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float | ja
   """
   logits = logits.astype(jnp.float32) / temperature
   return target_logits(logits, tokens) - jax.nn.logsumexp(logits, axis=-1)
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+  """[...] entropy of softmax(logits) from [..., vocab] float32 logits (already tempered and masked), as
+  logsumexp - E_p[logit]: one exponential pass, and the logsumexp is `token_logprobs`' own on the same logits (XLA
+  merges the identical reductions), so a loss that needs both pays for one log-softmax. Masked ids (`_MASKED_LOGIT`)
+  have p = 0 exactly and add nothing."""
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return lse - jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)

@@ -26,6 +26,7 @@ from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
+from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.rl_base import ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered, token_logps
 from maxtext_posttrain.objectives.rl_base import training_rows
@@ -194,8 +195,7 @@ class GRPO(RLObjective):
         agg_mode=self.agg_mode,
         max_length=self.max_new_tokens,
     )
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    entropy = logprobs_lib.entropy(logits)
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
     teacher_total, teacher_metrics = self.teacher_kl(logits, batch, frozen, self.agg_mode)
     metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}

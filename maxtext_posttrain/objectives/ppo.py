@@ -28,6 +28,7 @@ from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
 from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
@@ -285,8 +286,7 @@ class PPO(RLObjective):
         agg_mode=self.agg_mode,
         max_length=self.max_new_tokens,
     )
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    entropy = logprobs_lib.entropy(logits)
     total = out.total
     if self.kl_in_loss:
       total = total + jnp.mean(batch[KL_COEF_KEY]) * out.metrics["kl"]
