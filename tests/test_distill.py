@@ -20,11 +20,12 @@ DEEP = f"base_num_decoder_layers={run_utils.DEEP_SFT_LAYERS}"
 
 
 TRANSFER_SET = 128  # training problems the students see; the teacher learnt from the full 20,000
+TRANSFER_STEPS = 120
 
 
 @pytest.fixture(scope="module")
 def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
-  """The 2-layer student trained from random weights for 200 steps on a transfer set of TRANSFER_SET problems, once
+  """The 2-layer student trained from random weights for TRANSFER_STEPS steps on a transfer set of TRANSFER_SET problems, once
   by SFT and once distilled by the 4-layer SFT teacher with distill.yml's recipe; same data order, evaluated on the
   held-out split (the TFDS test split's 500 problems, as JSONL)."""
   out = tmp_path_factory.mktemp("distill")
@@ -35,18 +36,23 @@ def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
   for yml in ("sft.yml", "distill.yml"):
     name = yml.removesuffix(".yml")
     argv = ["", yml, f"run_name={name}", f"base_output_directory={out}", "grain_file_type=jsonl"]
-    argv += [f"grain_train_files={out / 'train.jsonl'}", f"grain_eval_files={out / 'test.jsonl'}", "steps=200"]
-    argv += ["eval_interval=200", "enable_checkpointing=false", f"metrics_file={out / name}.jsonl"]
+    argv += [f"grain_train_files={out / 'train.jsonl'}", f"grain_eval_files={out / 'test.jsonl'}"]
+    argv += [
+        f"steps={TRANSFER_STEPS}",
+        f"eval_interval={TRANSFER_STEPS}",
+        "enable_checkpointing=false",
+        f"metrics_file={out / name}.jsonl",
+    ]
     if name == "distill":
       argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}"]
     _, summary = run_utils.run(posttrain_config.initialize(argv))
-    runs[name] = {"eval": summary["evals"][200], "rows": run_utils.rows(out / f"{name}.jsonl")}
+    runs[name] = {"eval": summary["evals"][TRANSFER_STEPS], "rows": run_utils.rows(out / f"{name}.jsonl")}
   return runs
 
 
 def test_a_distilled_student_has_a_lower_held_out_cross_entropy_than_the_same_student_trained_by_sft(transfer_runs):
   """On a small transfer set the SFT student memorises its labels; the teacher's soft targets carry what the teacher
-  learnt from all the data, giving a held-out cross entropy at least 20% lower (0.28 against 0.61).
+  learnt from all the data, giving a held-out cross entropy at least 20% lower (0.34 against 0.64).
 
   Greedy answer accuracy is not asserted: at this size halving the cross entropy does not become many more right
   answers, and on a few held-out prompts the sign of the difference follows the last digits of the trajectories
@@ -56,7 +62,8 @@ def test_a_distilled_student_has_a_lower_held_out_cross_entropy_than_the_same_st
   print(f"held-out CE: SFT {sft['eval/loss']:.4f}, distilled {student['eval/ce']:.4f}")
   assert student["eval/ce"] < 0.8 * sft["eval/loss"], (student, sft)
   rows = transfer_runs["distill"]["rows"]
-  assert rows[199]["learning/divergence"] < 0.1 * rows[0]["learning/divergence"], (rows[0], rows[199])
+  last = rows[TRANSFER_STEPS - 1]
+  assert last["learning/divergence"] < 0.1 * rows[0]["learning/divergence"], (rows[0], last)
 
 
 def _loop(make_config, teacher, *overrides):
