@@ -87,12 +87,15 @@ if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no
   compile_model qwen "${QWEN[@]}"
   run compile_qwen_lora "$PY" -m maxtext_posttrain.compile sft_lora.yml "${QWEN[@]}"
   # The other objectives on qwen3-0.6b: PPO (policy and critic steps, 8 completions as GRPO), a reward model (2
-  # rows per pair, as DPO) and logit distillation from qwen3-1.7b (the teacher's keys are teacher_overrides').
+  # rows per pair, as DPO) and logit distillation from qwen3-1.7b (the teacher's keys are teacher_overrides'; compiling
+  # reads no weights, so its checkpoint path need not exist).
   run compile_qwen_ppo "$PY" -m maxtext_posttrain.compile ppo.yml "${QWEN[@]}" max_prefill_predict_length=1024 \
     rl.grpo_beta=0.04
   run compile_qwen_reward_model "$PY" -m maxtext_posttrain.compile reward_model.yml "${QWEN[@]}"
   run compile_qwen_distill "$PY" -m maxtext_posttrain.compile distill.yml "${QWEN[@]}" \
-    teacher_overrides.model_name=qwen3-1.7b teacher_overrides.base_num_decoder_layers=28 eval_interval=-1
+    teacher_overrides.model_name=qwen3-1.7b teacher_overrides.override_model_config=true \
+    teacher_overrides.tokenizer_type=sentencepiece teacher_overrides.base_num_decoder_layers=28 \
+    teacher_overrides.load_parameters_path="$OUT/compile/no_teacher_checkpoint" eval_interval=-1
   compile_model llama8b compile_topology=v5p-256 model_name=llama3.1-8b "${POD[@]}"
   run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
     "${POD[@]}" || true  # fails with XLA's out-of-memory message, as it should
