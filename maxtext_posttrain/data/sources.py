@@ -4,7 +4,8 @@ Post-training data is small and often hand-made, so a bad row must fail at setup
 not as a shape error deep inside a jitted step. Each source reads one `grain_file_type` (`POSTTRAIN_FILE_TYPES`):
 `tfds` (a prepared TFDS dataset in ArrayRecord format, read through `tfds.data_source` without TensorFlow; the
 bundled arithmetic builder is built on first use) and `jsonl` (one JSON object per line; a comma-separated list of
-paths or globs). Sources have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
+paths or globs). Both read a record when it is asked for, so each process of a run reads only its own records; the
+setup pass that every pipeline runs (`split_pass`) reads each record once, which is where a bad row fails. Sources have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import glob
 import json
 import os
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from maxtext_posttrain import config as config_lib
@@ -22,7 +24,7 @@ from maxtext_posttrain.data import arithmetic_tfds
 class RecordSource:
   """Rows of text columns, with a description of where they came from (for logs and the run manifest)."""
 
-  rows: "list[dict[str, str]] | TfdsRows"
+  rows: "JsonlRows | TfdsRows"
   description: str
 
   def __len__(self):
@@ -93,16 +95,46 @@ def _parse_jsonl_line(line: str, path: str, line_number: int, columns: tuple[str
   return {column: str(record[column]) for column in columns}  # numbers as text, as TFDS rows come (a margin column)
 
 
+@dataclasses.dataclass(frozen=True)
+class JsonlRows:
+  """The non-blank lines of JSONL files, located at open (one pass over the bytes) and parsed when read, so a process
+  parses only the records it reads; a bad line fails the read naming its file and line."""
+
+  files: tuple[str, ...]
+  lines: np.ndarray  # [rows, 3] int64: file index, byte offset, line number
+  columns: tuple[str, ...]
+
+  @classmethod
+  def index(cls, files: list[str], columns: tuple[str, ...]) -> "JsonlRows":
+    lines = []
+    for file_index, path in enumerate(files):
+      offset = 0
+      with open(path, "rb") as f:
+        for line_number, line in enumerate(f, start=1):
+          if line.strip():
+            lines.append((file_index, offset, line_number))
+          offset += len(line)
+    return cls(tuple(files), np.asarray(lines, np.int64).reshape(-1, 3), columns)
+
+  def __len__(self):
+    return len(self.lines)
+
+  def __getitem__(self, index):
+    file_index, offset, line_number = (int(v) for v in self.lines[index])
+    path = self.files[file_index]
+    with open(path, "rb") as f:
+      f.seek(offset)
+      line = f.readline()
+    try:
+      text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}:{line_number}: not UTF-8 ({e.reason}).") from e
+    return _parse_jsonl_line(text, path, line_number, self.columns)
+
+
 def _jsonl_source(patterns: str, columns: tuple[str, ...]) -> RecordSource:
-  """Every non-blank line of the JSONL files, read eagerly so errors surface at setup."""
   files = _jsonl_files(patterns)
-  rows = []
-  for path in files:
-    with open(path, encoding="utf-8") as f:
-      for line_number, line in enumerate(f, start=1):
-        if line.strip():
-          rows.append(_parse_jsonl_line(line, path, line_number, columns))
-  return RecordSource(rows, f"jsonl:{','.join(files)}")
+  return RecordSource(JsonlRows.index(files, columns), f"jsonl:{','.join(files)}")
 
 
 def open_source(config, train: bool, column_names: tuple[str, ...] = ("prompt", "completion")) -> RecordSource:
