@@ -7,6 +7,7 @@
 #   make format    pyink in place
 #   make lock      re-resolve requirements/cpu.in into the pinned requirements/cpu.txt
 #   make tpu-env   install MaxText's own [tpu] extra on top (TPU VMs only)
+#   make peers-env build .venv-peers (a copy of the venv plus Tunix 0.1.7, requirements/peers.txt) for benchmarks.peers
 #   make clean     remove build outputs (not the venv); `make distclean` removes the venv too
 #
 # Variables: VENV (default .venv), PYTHON (a Python 3.12 interpreter; found automatically), PYTEST_ARGS.
@@ -82,6 +83,21 @@ format: $(VENV)/.installed
 
 tpu-env: $(VENV)/.installed
 	$(VPIP) install -e '.[tpu]' 2>&1 | $(PIP_NOISE)
+
+# A peer library beside the project, for `python -m benchmarks.peers` only: a copy of the pinned venv (so our side runs
+# on exactly the project's packages) plus requirements/peers.txt with --no-deps (see its header), then an import check
+# of the Tunix modules the benchmark drives. Run it as `$(PEERS_VENV)/bin/python -m benchmarks.peers`.
+PEERS_VENV ?= .venv-peers
+.PHONY: peers-env
+peers-env: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed: $(VENV)/.installed requirements/peers.txt
+	rm -rf $(PEERS_VENV)
+	cp -a $(VENV) $(PEERS_VENV)
+	rm -f $(PEERS_VENV)/.installed
+	$(PEERS_VENV)/bin/python -m pip install -q --progress-bar off --no-deps -r requirements/peers.txt 2>&1 | $(PIP_NOISE)
+	$(PEERS_VENV)/bin/python -c 'import tunix.generate.sampler, tunix.models.llama3.model, tunix.rl.grpo.grpo_learner'
+	@touch $@
 
 # Re-resolve the lock in a throwaway venv: newest releases of requirements/cpu.in on Python 3.12.
 LOCK_VENV ?= /tmp/maxtext_posttrain-lock-venv

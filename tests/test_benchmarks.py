@@ -1,17 +1,25 @@
 """The benchmark harness runs end to end and writes its JSON row (timings themselves are not asserted)."""
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from benchmarks import decode
 from benchmarks import distill_vs_pretrain
 from benchmarks import dpo_vs_pretrain
 from benchmarks import grpo_vs_pretrain
 from benchmarks import harness
+from benchmarks import peers
 from benchmarks import ppo_vs_pretrain
 from benchmarks import peft_memory
 from benchmarks import sft_vs_pretrain
 from maxtext.utils import maxtext_utils
 from maxtext_posttrain import config as posttrain_config
+from tests import paths
 
 
 def test_sft_vs_pretrain_writes_a_row(tmp_path, tfds_dir, capsys):
@@ -117,3 +125,24 @@ def test_distill_vs_pretrain_times_dense_and_top_k_steps_against_the_flops_predi
   student, teacher = tflops(), tflops("base_num_decoder_layers=2")
   assert row["flops_prediction"] == 1 + teacher / (3 * student) > 1
   assert row["ratio_to_prediction"] == row["ratio"] / row["flops_prediction"]
+
+
+def test_peers_without_tunix_exits_with_one_line_naming_make_peers_env(tmp_path):
+  """The project's venv has no Tunix: `python -m benchmarks.peers` exits non-zero, before building anything, with
+  one line saying how to get it (`make peers-env`, then run it with .venv-peers's Python)."""
+  if importlib.util.find_spec("tunix") is not None:
+    pytest.skip("Tunix is importable here (.venv-peers); the message is for environments without it.")
+  completed = subprocess.run(
+      [sys.executable, "-m", "benchmarks.peers", f"--output={tmp_path / 'peers.json'}"],
+      cwd=paths.REPO,
+      env=dict(os.environ, PYTHONPATH=str(paths.REPO), JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+  )
+  assert completed.returncode != 0
+  message = f"peers: Tunix is not importable (No module named 'tunix'); {peers.MISSING_TUNIX}."
+  assert completed.stderr.strip().splitlines()[-1] == message, completed.stderr
+  assert "make peers-env" in message and ".venv-peers/bin/python -m benchmarks.peers" in message
+  assert not (tmp_path / "peers.json").exists()
