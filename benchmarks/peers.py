@@ -377,17 +377,14 @@ class Tunix:
       return timed_call(run)
 
 
-def _median(values: list[float]) -> float:
-  return statistics.median(values)
-
-
 def summarize(grpo: list[dict], full: list[float], one: list[float], rows: int, new_tokens: int, decode_calls: int):
   """Medians of a side's step and its parts (`other`: the step less its timed parts, host work between them), sampler
   throughput and its prefill / per-token decode split. `decode_calls` is the number of decode-step model calls in the
   one-token request (ours 0, Tunix 1)."""
-  out = {f"{part}_s": _median([t[part] for t in grpo]) for part in ("step", *PARTS)}
-  out["other_s"] = _median([t["step"] - sum(t[part] for part in PARTS) for t in grpo])  # per step: parts are medians
-  total, single = _median(full), _median(one)
+  out = {f"{part}_s": statistics.median([t[part] for t in grpo]) for part in ("step", *PARTS)}
+  # Per step, then the median: the parts above are medians of their own.
+  out["other_s"] = statistics.median([t["step"] - sum(t[part] for part in PARTS) for t in grpo])
+  total, single = statistics.median(full), statistics.median(one)
   decode = (total - single) / (new_tokens - 1)
   out |= {
       "sampler_s": total,

@@ -114,3 +114,13 @@ def test_entropy_and_its_gradient_match_numpy_with_masked_ids():
   want_grad = -np.exp(log_p) * (log_p + want[..., None])
   np.testing.assert_allclose(np.asarray(grad)[..., :7], want_grad, atol=1e-6)
   assert not np.asarray(grad)[..., 7:].any()
+
+
+def test_log_probs_and_entropy_share_one_logsumexp():
+  """The GRPO/PPO loss reads both from the same logits: compiled, the pair holds one log (the shared logsumexp) and
+  two exponentials (its sum and the entropy's probabilities); a separate log-softmax for the entropy held 2 and 3."""
+  logits = jnp.zeros((4, 8, 64), jnp.float32)
+  targets = jnp.zeros((4, 8), jnp.int32)
+  both = lambda x: jnp.sum(logprobs.token_logprobs(x, targets)) + jnp.sum(logprobs.entropy(x))
+  program = jax.jit(both).lower(logits).compile().as_text()
+  assert program.count(" log(") == 1 and program.count(" exponential(") == 2, program

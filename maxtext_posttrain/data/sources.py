@@ -5,7 +5,8 @@ not as a shape error deep inside a jitted step. Each source reads one `grain_fil
 `tfds` (a prepared TFDS dataset in ArrayRecord format, read through `tfds.data_source` without TensorFlow; the
 bundled arithmetic builder is built on first use) and `jsonl` (one JSON object per line; a comma-separated list of
 paths or globs). Both read a record when it is asked for, so each process of a run reads only its own records; the
-setup pass that every pipeline runs (`split_pass`) reads each record once, which is where a bad row fails. Sources have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
+setup pass that every pipeline runs (`split_pass`) reads each record once, which is where a bad row fails. Sources
+have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
 """
 
 import dataclasses

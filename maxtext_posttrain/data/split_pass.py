@@ -47,19 +47,23 @@ class SplitTable:
     return int(self.counts[:, column].sum())
 
 
+def _block_size(num_examples: int) -> int:
+  """Examples per process: every process's block but the last holds this many, and the gathered rows are padded
+  to it."""
+  return -(-num_examples // jax.process_count())
+
+
 def process_block(num_examples: int) -> range:
   """The source indices this process visits: block `process_index` of `process_count` contiguous blocks."""
-  per_process = -(-num_examples // jax.process_count())
-  start = min(num_examples, jax.process_index() * per_process)
-  return range(start, min(num_examples, start + per_process))
+  start = min(num_examples, jax.process_index() * _block_size(num_examples))
+  return range(start, min(num_examples, start + _block_size(num_examples)))
 
 
 def run(num_examples: int, visit: Callable[[int], Visit], num_counts: int) -> SplitTable:
   """Visits this process's block (`visit(index)` returns a Visit or raises ValueError for a refused example) and
   gathers every process's rows; raises the refused example's ValueError with the lowest index on every process."""
-  per_process = -(-num_examples // jax.process_count())
   failed, kept, counts, digests = 0, 1, slice(2, 2 + num_counts), slice(2 + num_counts, None)
-  rows = np.zeros((per_process, 2 + num_counts + _DIGEST_WORDS), np.int32)
+  rows = np.zeros((_block_size(num_examples), 2 + num_counts + _DIGEST_WORDS), np.int32)
   for row, index in enumerate(process_block(num_examples)):
     try:
       outcome = visit(index)
