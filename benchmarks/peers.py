@@ -173,9 +173,9 @@ class Ours:
     self.sampling = sampling
     self.encoder = loop.objective.encoder
     self.sampler = loop.sampler()
-    sample = self._sample = self.sampler.sample
+    start = self.sampler.start
     # The objective stops rows at the tokenizer's EOS; no stop id here, so every rollout row decodes all new tokens.
-    self.sampler.sample = lambda params, p, max_new, eos_id, *a, **k: sample(params, p, max_new, NO_EOS, *a, **k)
+    self.sampler.start = lambda params, p, max_new, eos_id, *a, **k: start(params, p, max_new, NO_EOS, *a, **k)
     self.num_params = int(sum(x.size for x in jax.tree.leaves(loop.primary.state.model.filter(nnx.Param))))
     self.answers = []
 
@@ -203,7 +203,8 @@ class Ours:
     loop = self.loop
     with self.scope():
       start = time.perf_counter()
-      batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+      batch = loop.train_batches.load_next_batch() if loop.objective.wants_batch(loop) else None
+      batch = loop.objective.before_step(loop, batch)
       train_start = time.perf_counter()
       train_metrics = loop.primary.train_step(batch, loop.frozen_states())
       jax.block_until_ready((loop.primary.state, train_metrics))
@@ -223,7 +224,7 @@ class Ours:
     params = lora.policy_params(self.loop.policy(), self.config)
 
     def run():
-      out = self._sample(
+      out = self.sampler.sample(
           params, prompts, new_tokens, NO_EOS, jax.random.key(seed), self.sampling, num_samples=num_samples
       )
       assert (out.lengths == new_tokens).all()

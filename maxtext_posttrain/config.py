@@ -259,6 +259,21 @@ class PostTrainConfig(types.MaxTextConfig):
       description="RL evaluation: completions sampled per held-out prompt for pass@k and maj@k (at least max k).",
   )
   eval_pass_at_k: list[int] = Field([1, 5], description="The k of the pass@k and maj@k reported at each RL eval.")
+  # MaxText's RL cluster keys (types.RLCluster), with its defaults; read by runs with rl.off_policy_steps >= 1.
+  trainer_devices_fraction: float = Field(
+      0.5,
+      gt=0.0,
+      le=1.0,
+      description="Fraction of devices to use for the trainer (rl.off_policy_steps >= 1: the first of each process's "
+      "devices; 1 with sampler_devices_fraction=1: trainer and sampler share them).",
+  )
+  sampler_devices_fraction: float = Field(
+      0.5,
+      gt=0.0,
+      le=1.0,
+      description="Fraction of devices to use for the sampler (rl.off_policy_steps >= 1: the last of each process's "
+      "devices).",
+  )
 
   dpo: Preference = Field(default_factory=Preference, description="Preference tuning (posttrain_mode=dpo).")
   rl: RL = Field(default_factory=RL, description="The GRPO family (posttrain_mode=grpo, drgrpo, dapo, gspo, ...).")

@@ -48,6 +48,7 @@ class Loop:
   train_batches: data_loader.DataLoader  # MaxText's loader: places `data.train` batches on the input sharding
   step: int
   start_step: int
+  rollout_mesh: jax.sharding.Mesh  # the sampler's: the trainer's mesh, or devices of its own (rl.off_policy_steps)
   cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects
   _sampler: rollout.Sampler | None = None
 
@@ -74,7 +75,7 @@ class Loop:
   def sampler(self) -> rollout.Sampler:
     """The run's one rollout sampler (MaxText decoding with a KV cache), shared by rollouts and evaluation."""
     if self._sampler is None:
-      self._sampler = rollout.Sampler(self.config, self.mesh)
+      self._sampler = rollout.Sampler(self.config, self.rollout_mesh)
     return self._sampler
 
 
@@ -156,7 +157,7 @@ def setup(config) -> Loop:
   check_supported(config)
   lora.validate_config(config)
   objective = objective_class(config)
-  mesh = mesh_lib.make_mesh(config)
+  mesh, rollout_mesh = mesh_lib.trainer_and_rollout_meshes(config, separate=objective.off_policy_steps > 0)
   specs = objective.roles
   frozen = {spec.name: roles_lib.build_frozen(spec, config, mesh) for spec in specs if not spec.trained}
   data = objective.make_data(mesh)
@@ -185,6 +186,7 @@ def setup(config) -> Loop:
       train_batches=data_loader.DataLoader(config, mesh, data.train, None),
       step=start_step,
       start_step=start_step,
+      rollout_mesh=rollout_mesh,
   )
 
 

@@ -35,6 +35,9 @@ def run(out_dir: str, tfds_dir: str, overrides: list[str], run_name: str, config
   ppo = config.posttrain_mode == "ppo"
   out = {
       "mesh": dict(loop.mesh.shape),
+      "rollout_devices": sorted(d.id for d in loop.rollout_mesh.devices.flat),
+      "trainer_devices": sorted(d.id for d in loop.mesh.devices.flat),
+      "staleness": [row["rl/staleness"] for row in rows],
       "rewards": [row["rl/reward_mean"] for row in rows],
       "losses": [row["learning/loss"] for row in rows],
       "kl": [row["rl/kl" if ppo else "learning/kl"] for row in rows],

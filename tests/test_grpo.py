@@ -10,6 +10,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objectives
 from maxtext_posttrain import trainer
 from maxtext_posttrain.losses import policy_gradient
@@ -23,6 +24,8 @@ GRPO = "grpo.yml"
 TINY = ("per_device_batch_size=2", "rl.num_generations=4", "max_target_length=80", "enable_checkpointing=false")
 # A reward with variance even under random weights: the length of a completion in characters.
 CHARACTERS = ('rl.rewards=["tests.rewards_for_tests:characters"]', "rl.reward_weights=[1.0]")
+# Sampling ahead on the one test device: trainer and sampler share it (MaxText's fractions default to halves).
+AHEAD = ("rl.off_policy_steps=1", "trainer_devices_fraction=1", "sampler_devices_fraction=1")
 
 
 def _metrics(path) -> dict[int, dict]:
@@ -93,6 +96,9 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("max_target_length=64",), "leaves none"),
         (("rl.num_iterations=2", "checkpoint_period=5"), "multiple of rl.num_iterations=2"),
         (("rl.use_agentic_rollout=true",), "does not support rl.use_agentic_rollout"),
+        (("rl.off_policy_steps=-1",), "rl.off_policy_steps=-1 must be >= 0"),
+        (("rl.off_policy_steps=1", "rl.use_rollout_logps=false"), "needs rl.use_rollout_logps=true"),
+        (("rl.off_policy_steps=1", "rl.force_on_policy_ratio=true"), "force_on_policy_ratio=true pins the ratio"),
         (("rl.dual_clip=3", "rl.loss_algo=gspo"), "dual_clip applies to rl.loss_algo=grpo"),
         (("rl.reward_weights=[1.0]",), "one weight per reward"),
         (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
@@ -197,10 +203,12 @@ def _reward_run(make_config, tmp_path, *overrides) -> tuple[list[float], dict[in
   return [rows[step]["rl/reward_mean"] for step in sorted(rows)], rows
 
 
-@pytest.mark.parametrize("mode", ["grpo", "gspo_token"])
-def test_rl_raises_a_learnable_reward(make_config, tmp_path, mode):
-  rewards, _ = _reward_run(make_config, tmp_path, f"posttrain_mode={mode}", *CHARACTERS)
-  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, (mode, rewards)
+@pytest.mark.parametrize("mode, overrides", [("grpo", ()), ("gspo_token", ()), ("grpo", AHEAD)])
+def test_rl_raises_a_learnable_reward(make_config, tmp_path, mode, overrides):
+  """Also with rollouts sampled one update ahead (rl.off_policy_steps=1): the ratio corrects for the lag."""
+  rewards, rows = _reward_run(make_config, tmp_path, f"posttrain_mode={mode}", *CHARACTERS, *overrides)
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, (mode, overrides, rewards)
+  assert {rows[step]["rl/staleness"] for step in rows} == ({0.0, 1.0} if overrides else {0.0})
 
 
 def test_dapo_refills_agreeing_groups_and_raises_the_reward(make_config, tmp_path):
@@ -230,6 +238,74 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_pat
   assert sorted(split) == sorted(full) == list(range(5))
   for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm"):
     np.testing.assert_allclose([split[s][key] for s in range(5)], [full[s][key] for s in range(5)], rtol=1e-5)
+
+
+def test_sampling_ahead_lags_one_update_keeps_the_data_order_and_resumes_exactly(make_config, tmp_path):
+  """rl.off_policy_steps=1: each step trains on rollouts the previous weights sampled (ratio off 1 at the first
+  iteration, `rl/staleness` 1), except after a checkpoint, where nothing was sampled ahead (staleness 0, ratio 1);
+  the prompt batches come from the iterator in the same order as without sampling ahead, and a run resumed from a
+  checkpoint repeats the uninterrupted run's metrics."""
+  common = (*TINY, *CHARACTERS, *AHEAD, "enable_checkpointing=true", "checkpoint_period=3", "eval_interval=0")
+  common += ("async_checkpointing=false", "learning_rate_schedule_steps=6", "learning_rate=1e-2")
+
+  def run(name, *overrides, reads=None):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    loop = trainer.setup(
+        make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO)
+    )
+    load = loop.train_batches.load_next_batch
+    if reads is not None:
+      loop.train_batches.load_next_batch = lambda: (lambda b: reads.append((loop.step, loop.objective.indices(b))) or b)(
+          load()
+      )
+    trainer.train(loop)
+    return _metrics(metrics_file)
+
+  ahead_reads, on_policy_reads = [], []
+  full = run("full", "steps=6", reads=ahead_reads)
+  run("on_policy", "steps=6", "rl.off_policy_steps=0", reads=on_policy_reads)
+  # Saved after steps 0 and 3 (MaxText's save_checkpoint_on_start): steps 1 and 4 sample their own rollouts.
+  assert [full[s]["rl/staleness"] for s in range(6)] == [0, 0, 1, 1, 0, 1]
+  for step in range(6):
+    assert (abs(full[step]["learning/ratio_mean"] - 1.0) < 1e-5) == (full[step]["rl/staleness"] == 0), full[step]
+  assert [step for step, _ in ahead_reads] == [0, 1, 1, 2, 4, 4]  # steps 2, 3 and 5's prompts drawn a step early
+  assert [indices for _, indices in ahead_reads] == [indices for _, indices in on_policy_reads]
+  run("split", "steps=4", "save_checkpoint_on_completion=false")  # dies after step 3; its last checkpoint is step 3's
+  split = run("split", "steps=6")
+  for key in ("rl/reward_mean", "rl/staleness", "learning/loss", "learning/grad_norm", "learning/ratio_mean"):
+    np.testing.assert_allclose([split[s][key] for s in range(6)], [full[s][key] for s in range(6)], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fractions, message",
+    [
+        (("trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"), "leave the trainer 0 and the sampler 0"),
+        (("trainer_devices_fraction=1", "sampler_devices_fraction=0.5"), "would share some devices"),
+    ],
+)
+def test_device_fractions_that_cannot_split_the_devices_are_refused(make_config, fractions, message):
+  """MaxText's default halves of the one test device leave neither side a device; overlapping fractions are refused."""
+  config = make_config("rl.off_policy_steps=1", *fractions, config_file=GRPO)
+  with pytest.raises(ValueError, match=message):
+    mesh_lib.trainer_and_rollout_meshes(config, separate=True)
+  trainer_mesh, rollout_mesh = mesh_lib.trainer_and_rollout_meshes(config, separate=False)  # on-policy: one mesh
+  assert trainer_mesh is rollout_mesh
+
+
+def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_config, tmp_path):
+  """With a checkpoint after every step nothing is sampled ahead: rl.off_policy_steps=1 then runs exactly what
+  rl.off_policy_steps=0 runs, bit for bit (the same keys, prompts and weights)."""
+  common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=1", "async_checkpointing=false")
+  common += ("steps=3", "eval_interval=0", "learning_rate=1e-2")
+  rows = {}
+  for name, overrides in (("ahead", AHEAD), ("on_policy", ())):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO))
+    rows[name] = _metrics(metrics_file)
+  for step in range(3):
+    assert rows["ahead"][step]["rl/staleness"] == 0
+    for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm", "learning/kl"):
+      assert rows["ahead"][step][key] == rows["on_policy"][step][key], (step, key)
 
 
 def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests import paths
 from tests import multidevice_distill
@@ -71,6 +72,24 @@ def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   for key in ("losses", "value_losses", "kl", "explained_variance"):
     np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("config_file", ["grpo.yml", "ppo.yml"])
+def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_device(tmp_path, tfds_dir, config_file):
+  """rl.off_policy_steps=1 with MaxText's halves on 4 fake devices (trainer on devices 0-1, sampler on 2-3, the
+  weights copied across after every step) against the same run on one device shared by trainer and sampler: the
+  same rollouts (rewards equal) and losses, one update stale after the first step."""
+  ahead = ["rl.off_policy_steps=1", "enable_checkpointing=false"]
+  single = multidevice_rl.run(
+      str(tmp_path), str(tfds_dir), [*ahead, "trainer_devices_fraction=1", "sampler_devices_fraction=1"], "single",
+      config_file,
+  )  # fmt: skip
+  layout = json.dumps([*ahead, "per_device_batch_size=1"])
+  (split,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), layout, config_file)
+  assert (split["trainer_devices"], split["rollout_devices"]) == ([0, 1], [2, 3])
+  assert split["staleness"] == single["staleness"] == [0, 1, 1]
+  assert split["rewards"] == single["rewards"]
+  np.testing.assert_allclose(split["losses"], single["losses"], rtol=1e-4, atol=1e-6)  # PPO's first loss is ~1e-6
 
 
 def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(

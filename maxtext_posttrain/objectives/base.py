@@ -51,11 +51,14 @@ class Objective(abc.ABC):
     batch_keys: the arrays every batch carries; the loop checks batches against them.
     rows_per_example: trained rows per row the data iterator yields (RL: the G completions of a prompt), for the
       tokens/s of the progress line.
+    off_policy_steps: RL's `rl.off_policy_steps`: rollouts are sampled up to this many updates ahead, on a rollout
+      mesh of their own (`mesh.trainer_and_rollout_meshes`); 0: on the trainer's mesh, when the step needs them.
   """
 
   name: ClassVar[str]
   batch_keys: ClassVar[tuple[str, ...]]
   rows_per_example: int = 1
+  off_policy_steps: int = 0
 
   def __init__(self, config):
     self.config = config

@@ -72,8 +72,8 @@ class GRPO(RLObjective):
     self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false
     self._batch = None  # the rollout batch of the current num_iterations cycle
 
-  def wants_batch(self, loop) -> bool:
-    return self._batch is None or loop.step % self.rl.num_iterations == 0
+  def starts_rollout(self, loop) -> bool:
+    return self._batch is None or loop.step % self.steps_per_rollout == 0
 
   def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
     """`rl_base.training_rows` of every prompt's G completions with their advantages (and reference log-probs); no
@@ -84,24 +84,18 @@ class GRPO(RLObjective):
     return rows_spec(rows, self.config.max_target_length, self.batch_keys, ROW_FLOATS + (REFERENCE_KEY,))
 
   def before_step(self, loop, batch):
-    if batch is None:  # another iteration on the cycle's rollouts; the old log-probs stay those of sampling time
+    if not self.starts_rollout(loop):  # another iteration on the cycle's rollouts; old log-probs from sampling time
       self.step_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
       return self._batch
     timer, metrics = time.perf_counter(), {"rl/iteration": 0.0}
-    groups, first_round, rounds = [], None, 0
-    indices = self.indices(batch)
-    num_prompts = len(indices)
-    while True:
-      sampled = self._sample_groups(loop, indices, rounds, metrics)
-      rounds += 1
-      first_round = first_round or sampled
-      groups += sampled
-      if not self.rl.dynamic_sampling or rounds == self.rl.max_sampling_rounds:
-        break
+    groups = first_round = self._groups(self.step_rollouts(loop, batch, metrics))
+    num_prompts, rounds = len(groups), 1
+    while self.rl.dynamic_sampling and rounds < self.rl.max_sampling_rounds:
       # Every process samples again until each has informative groups for all its prompts (sampling is collective).
       if gathered(np.array([sum(g.informative for g in groups) >= num_prompts])).all():
         break
-      indices = self.indices(loop.train_batches.load_next_batch())
+      groups += self._groups(self.sample(loop, self.indices(loop.train_batches.load_next_batch()), rounds, None))
+      rounds += 1
     groups, masked = self._select(groups, num_prompts)
     rewards = gathered(np.stack([g.rewards for g in first_round]))  # [prompts of the whole batch, G]
     metrics |= {
@@ -127,9 +121,8 @@ class GRPO(RLObjective):
     self.step_metrics = metrics
     return self._batch
 
-  def _sample_groups(self, loop, indices: list[int], round_index: int, metrics: dict) -> list[_Group]:
-    """G completions for each prompt, scored; adds rollout statistics of the first round to `metrics`."""
-    out = self.sample(loop, indices, round_index, metrics if round_index == 0 else None)
+  def _groups(self, out) -> list[_Group]:
+    """Rollouts of G completions per prompt as one group per prompt."""
     group_size = self.rl.num_generations
     return [
         _Group(
@@ -138,7 +131,7 @@ class GRPO(RLObjective):
             logprobs=out.logprobs[p * group_size : (p + 1) * group_size],
             rewards=out.rewards[p * group_size : (p + 1) * group_size],
         )
-        for p in range(len(indices))
+        for p in range(len(out.prompts) // group_size)
     ]
 
   def _select(self, groups: list[_Group], num_prompts: int) -> tuple[list[_Group], int]:

@@ -173,7 +173,7 @@ class PPO(RLObjective):
     if state:
       self.kl_controller.load_state_dict(state["kl_coef"])
 
-  def wants_batch(self, loop) -> bool:
+  def starts_rollout(self, loop) -> bool:
     return self._rollout is None or loop.step % self.steps_per_rollout == 0
 
   def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
@@ -185,7 +185,8 @@ class PPO(RLObjective):
     return rows_spec(self.minibatch_rows, self.config.max_target_length, self.batch_keys, floats)
 
   def before_step(self, loop, batch):
-    if batch is not None:
+    new_rollout = self.starts_rollout(loop)
+    if new_rollout:
       self._sample_rollout(loop, batch)
     position = loop.step - self._rollout_step
     epoch, minibatch = divmod(position, self.ppo.num_minibatches)
@@ -194,7 +195,7 @@ class PPO(RLObjective):
       rows = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(rows)
     minibatch_rows = self.minibatch_rows // jax.process_count()
     rows = rows[minibatch * minibatch_rows : (minibatch + 1) * minibatch_rows]
-    if batch is None:
+    if not new_rollout:
       self.step_metrics = {"rl/iteration": float(epoch), "rl/minibatch": float(minibatch)}
     else:
       self.step_metrics |= {"rl/iteration": 0.0, "rl/minibatch": 0.0}
@@ -204,7 +205,7 @@ class PPO(RLObjective):
     """Samples and scores this process's rollouts and computes the batch's advantages and returns (this process's
     rows kept on the host)."""
     timer, metrics = time.perf_counter(), {}
-    out = self.sample(loop, self.indices(batch), 0, metrics)
+    out = self.step_rollouts(loop, batch, metrics)
     rows = training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
     device = pipeline.process_local_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)

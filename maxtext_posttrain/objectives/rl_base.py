@@ -5,6 +5,16 @@ reading the policy's weights in place), score them with the reward functions of 
 shaping) and, when `rl.rewards` names `reward_model`, with a frozen reward model (a `posttrain_mode=reward_model`
 run's checkpoint, `reward_model_overrides.load_parameters_path`) run on the rollout rows. They differ in what they
 make of the scores: group-relative advantages (GRPO) or a learned critic's GAE (PPO).
+
+Sampling ahead (MaxText's `rl.off_policy_steps` = k >= 1): the rollouts a step trains on may be sampled up to k
+policy updates earlier. At each step the objective dispatches the rollouts of the next steps (those k or fewer ahead
+that start a rollout batch) with the current policy's weights, copied to the rollout mesh, and goes on to train; JAX
+runs the decode program on the sampler's devices (`mesh.trainer_and_rollout_meshes`) while the train step runs on
+the trainer's, and the host scores rewards meanwhile. The importance ratio's old log-probs are the sampler's, so the
+loss corrects for the lag, which each step logs as `rl/staleness`. Nothing is dispatched across a checkpoint: a step
+after which the models are saved samples nothing ahead, so the data iterator saved with a checkpoint has handed out
+exactly the batches of the steps it holds, and a resumed run samples, from the checkpoint's weights, what the
+uninterrupted run sampled (the first step after a checkpoint samples on-policy, staleness 0).
 """
 
 import dataclasses
@@ -19,6 +29,7 @@ from jax.experimental import multihost_utils
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import evaluate as evaluate_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import objective_state
 from maxtext_posttrain import rewards as rewards_lib
 from maxtext_posttrain import roles
 from maxtext_posttrain import rollout
@@ -116,12 +127,22 @@ def check_config(config, min_generations: int) -> None:
     raise ValueError(f"{mode} trains on one row per completion; set packing=false.")
   if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
     raise ValueError(f"rl.reward_weights {rl.reward_weights} needs one weight per reward of rl.rewards {rl.rewards}.")
-  unsupported = {"use_agentic_rollout": rl.use_agentic_rollout, "off_policy_steps": rl.off_policy_steps}
-  named = [key for key, on in unsupported.items() if on]
-  if named:
+  if rl.use_agentic_rollout:
     raise ValueError(
-        f"{mode} does not support rl.{', rl.'.join(named)}: rollouts are sampled on the trainer's mesh right "
-        "before each step, by the policy being trained."
+        f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
+        "samples them ahead of the step that trains on them)."
+    )
+  if rl.off_policy_steps < 0:
+    raise ValueError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
+  if rl.off_policy_steps and not rl.use_rollout_logps:
+    raise ValueError(
+        f"rl.off_policy_steps={rl.off_policy_steps} needs rl.use_rollout_logps=true: the importance ratio corrects "
+        "for the lag with the sampler's log-probs; the trainer's re-scoring would give the current policy's (ratio 1)."
+    )
+  if rl.off_policy_steps and rl.force_on_policy_ratio:
+    raise ValueError(
+        f"rl.force_on_policy_ratio=true pins the ratio to 1, which rollouts sampled {rl.off_policy_steps} step(s) "
+        "ahead (rl.off_policy_steps) are not."
     )
   if max(config.eval_pass_at_k) > config.eval_samples_per_prompt or min(config.eval_pass_at_k) < 1:
     raise ValueError(
@@ -156,6 +177,16 @@ class Rollouts:
   rewards: np.ndarray  # [rows], shaped: the weighted reward sum plus the overlong penalty
 
 
+@dataclasses.dataclass
+class _Dispatched:
+  """Rollouts whose decode program is dispatched: this process's prompt indices and the sampler's pending result."""
+
+  indices: list[int]
+  pending: rollout.PendingRollouts
+  params_step: int  # the step whose weights sample them
+  started: float  # perf_counter at dispatch
+
+
 class RLObjective(Objective):
   """Prompts, rollouts, rewards and evaluation of an RL objective; subclasses turn rollouts into training rows."""
 
@@ -181,6 +212,9 @@ class RLObjective(Objective):
     self.num_pieces = self.encoder.num_pieces  # ids the sampler can draw; the loss scores the same distribution
     self.train_prompts = self.eval_prompts = None
     self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
+    self.steps_per_rollout = rl.num_iterations  # steps trained on one rollout batch
+    self.off_policy_steps = rl.off_policy_steps
+    self._ahead: dict[int, _Dispatched] = {}  # rollouts dispatched ahead, by the step that trains on them
 
   def make_data(self, mesh) -> ObjectiveData:
     config = self.config
@@ -204,24 +238,64 @@ class RLObjective(Objective):
     """This process's prompts of the step: the indices in its block of the batch's rows."""
     return [int(i) for i in pipeline.local_rows(batch[prompts_lib.INDEX_KEY])[:, 0]]
 
+  def starts_rollout(self, loop) -> bool:
+    """Whether this step trains on a new rollout batch (else on the current one, another iteration or minibatch)."""
+    del loop
+    return True
+
+  def wants_batch(self, loop) -> bool:
+    return self.starts_rollout(loop) and loop.step not in self._ahead
+
+  def step_rollouts(self, loop, batch, metrics: dict) -> Rollouts:
+    """This step's rollouts, scored: sampled ahead by an earlier step, else now from `batch`'s prompts. Before
+    waiting for them, dispatches the rollouts of the steps this one samples ahead for (`rl.off_policy_steps`)."""
+    dispatched = self._ahead.pop(loop.step, None) or self._dispatch(loop, self.indices(batch), loop.step, 0)
+    self._dispatch_ahead(loop)
+    return self._score(loop, dispatched, metrics)
+
   def sample(self, loop, indices: list[int], round_index: int, metrics: dict | None) -> Rollouts:
-    """`rl.num_generations` completions for each of this process's prompts, sampled (`process_local`) and scored
-    here, each row once, on the process that owns it; adds the whole batch's rollout statistics to `metrics` (if
-    given)."""
-    rl, prompt_set = self.rl, self.train_prompts
-    num_samples = rl.num_generations
-    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(rl.sampling_seed), loop.step), round_index)
-    start = time.perf_counter()
-    out = loop.sampler().sample(
+    """`rl.num_generations` completions for each of this process's prompts, sampled now with the current policy
+    (round `round_index` of this step) and scored (see `_score`)."""
+    return self._score(loop, self._dispatch(loop, indices, loop.step, round_index), metrics)
+
+  def _dispatch_ahead(self, loop) -> None:
+    """Dispatches, with the current weights, the rollouts of each step up to `rl.off_policy_steps` ahead that starts
+    a rollout batch, unless the models are saved before it (see the module docstring) or the run ends first. Their
+    prompt batches are drawn from the iterator in step order."""
+    for target in range(loop.step + 1, loop.step + self.off_policy_steps + 1):
+      if target >= self.config.steps or any(objective_state.due(self.config, s) for s in range(loop.step, target)):
+        return
+      if target % self.steps_per_rollout == 0 and target not in self._ahead:
+        indices = self.indices(loop.train_batches.load_next_batch())
+        self._ahead[target] = self._dispatch(loop, indices, target, 0, copy_params=True)
+
+  def _dispatch(self, loop, indices: list[int], step: int, round_index: int, copy_params=False) -> _Dispatched:
+    """Dispatches the sampling of `rl.num_generations` completions of each of this process's prompts, for `step`
+    (its keys: the same whichever step samples them), with the current policy's weights (`process_local`)."""
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.rl.sampling_seed), step), round_index)
+    started = time.perf_counter()
+    pending = loop.sampler().start(
         lora.policy_params(loop.policy(), self.config),
-        [list(prompt_set.prompt_ids[i]) for i in indices],
+        [list(self.train_prompts.prompt_ids[i]) for i in indices],
         self.max_new_tokens,
         self.encoder.tokenizer.eos_id,
         rng,
         self.sampling,
-        num_samples=num_samples,
+        num_samples=self.rl.num_generations,
         process_local=True,
+        copy_params=copy_params,
     )
+    return _Dispatched(indices, pending, loop.step, started)
+
+  def _score(self, loop, dispatched: _Dispatched, metrics: dict | None) -> Rollouts:
+    """Waits for dispatched rollouts and scores them here, each row once, on the process that owns it; adds the whole
+    batch's rollout statistics to `metrics` (if given): `rl/rollout_seconds` is the time this step spent on them
+    (sampling, or only waiting when they were sampled ahead) and `rl/staleness` the policy updates between the
+    weights that sampled them and the weights they train."""
+    rl, prompt_set, indices = self.rl, self.train_prompts, dispatched.indices
+    num_samples = rl.num_generations
+    start = dispatched.started if dispatched.params_step == loop.step else time.perf_counter()
+    out = dispatched.pending.result()
     rollout_seconds = time.perf_counter() - start
     completions = out.completions()
     texts = [self.encoder.decode_completion(c) for c in completions]
@@ -247,6 +321,7 @@ class RLObjective(Objective):
       penalty, lengths, truncated = columns.T[-3:]
       metrics |= {
           "rl/rollout_seconds": rollout_seconds,
+          "rl/staleness": float(loop.step - dispatched.params_step),
           "rl/reward_seconds": reward_seconds,
           "rl/overlong_penalty": float(penalty.mean()),
           "rl/completion_length_mean": float(np.mean(lengths)),

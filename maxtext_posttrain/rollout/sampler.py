@@ -256,6 +256,36 @@ class Rollouts:
     return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
 
 
+@dataclasses.dataclass
+class PendingRollouts:
+  """A dispatched decode program (`Sampler.start`): its device outputs, and what `result` needs to make `Rollouts`."""
+
+  outputs: tuple[jax.Array, jax.Array, jax.Array]  # tokens, log-probs, lengths of the padded batch
+  prompts: list[list[int]]
+  num_samples: int
+  num_truncated_prompts: int
+  stops: set[int]
+  process_local: bool
+
+  def result(self) -> Rollouts:
+    """Waits for the program and returns its rows (this process's own when `process_local`)."""
+    if self.process_local:
+      out, out_logprobs, out_lengths = (pipeline.local_rows(x) for x in self.outputs)
+    else:  # gathered rather than fetched: on a multi-host mesh no process holds the whole batch
+      out, out_logprobs, out_lengths = multihost_utils.process_allgather(self.outputs, tiled=True)
+    rows = len(self.prompts) * self.num_samples
+    out, out_logprobs, out_lengths = out[:rows], out_logprobs[:rows], out_lengths[:rows]
+    return Rollouts(
+        prompts=[prompt for prompt in self.prompts for _ in range(self.num_samples)],
+        tokens=out,
+        logprobs=out_logprobs,
+        lengths=out_lengths,
+        finish_reasons=["eos" if out[i, out_lengths[i] - 1] in self.stops else "length" for i in range(rows)],
+        num_truncated_prompts=self.num_truncated_prompts,
+        num_samples=self.num_samples,
+    )
+
+
 class Sampler:
   """Sampling B prompts x N samples with a MaxText model and MaxText's KV cache, with per-token log-probs.
 
@@ -278,6 +308,7 @@ class Sampler:
     _, abstract_model = model_creation_utils.create_nnx_abstract_model(config, mesh)
     self.abstract_params = nnx.state(abstract_model, nnx.Param)  # the params `sample` takes, shaped and sharded
     self._programs: dict[tuple, tuple[_DecodeGraphs, Callable]] = {}
+    self._resharding_logged = False
 
   def generate(self, params: nnx.State, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
     """Greedily continues each prompt; returns the new tokens per prompt, ending with `eos_id` when it was produced.
@@ -327,33 +358,40 @@ class Sampler:
         (`pipeline.process_rows`), and gets back only its rows; row keys are global row numbers, so N processes
         sample what one process sampling all their prompts in process order would.
     """
+    return self.start(
+        params, prompts, max_new_tokens, eos_id, rng, sampling, num_samples, stop_ids, truncate_prompts, process_local
+    ).result()
+
+  def start(
+      self,
+      params: nnx.State,
+      prompts: list[list[int]],
+      max_new_tokens: int,
+      eos_id: int,
+      rng: jax.Array,
+      sampling: SamplingParams | None = None,
+      num_samples: int = 1,
+      stop_ids: tuple[int, ...] = (),
+      truncate_prompts: bool | None = None,
+      process_local: bool = False,
+      copy_params: bool = False,
+  ) -> "PendingRollouts":
+    """`sample`, returning as soon as the decode program is dispatched: the program runs on the sampler's devices
+    while the caller goes on, and `PendingRollouts.result()` waits for it. Arguments as `sample`'s, plus
+    `copy_params`: read a copy of `params` made before returning, so the caller may update or donate its own
+    (a train step) while this program still runs."""
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:
       truncate_prompts = self.config.overlong_policy == "truncate"
     prompts, num_truncated = self._truncate(prompts, truncate_prompts)
     inputs = self._process_local_inputs(prompts) if process_local else self._inputs(prompts)
     tokens = inputs[0]
-    graphs, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
-    params = self._on_mesh(params)
+    _, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
+    params = self._on_mesh(params, copy_params)
     stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       out = decode(params, *inputs, stops, rng)
-    if process_local:
-      out, out_logprobs, out_lengths = (pipeline.local_rows(x) for x in out)
-    else:  # gathered rather than fetched: on a multi-host mesh no process holds the whole batch
-      out, out_logprobs, out_lengths = multihost_utils.process_allgather(out, tiled=True)
-    rows = len(prompts) * num_samples
-    out, out_logprobs, out_lengths = out[:rows], out_logprobs[:rows], out_lengths[:rows]
-    stop_set = set(stops.tolist())
-    return Rollouts(
-        prompts=[prompt for prompt in prompts for _ in range(num_samples)],
-        tokens=out,
-        logprobs=out_logprobs,
-        lengths=out_lengths,
-        finish_reasons=["eos" if out[i, out_lengths[i] - 1] in stop_set else "length" for i in range(rows)],
-        num_truncated_prompts=num_truncated,
-        num_samples=num_samples,
-    )
+    return PendingRollouts(out, prompts, num_samples, num_truncated, set(stops.tolist()), process_local)
 
   def lower(
       self,
@@ -385,14 +423,19 @@ class Sampler:
           spec((), key_dtype),
       )
 
-  def _on_mesh(self, params: nnx.State) -> nnx.State:
-    """The params on this sampler's shardings: as they are when already there, else one `jax.device_put`."""
+  def _on_mesh(self, params: nnx.State, copy: bool = False) -> nnx.State:
+    """The params on this sampler's shardings: as they are when already there (unless `copy`), else one
+    `jax.device_put`."""
     _check_params_line_up(params, self.abstract_params)
     targets = [a.sharding for a in jax.tree.leaves(self.abstract_params)]
-    if all(getattr(x, "sharding", None) == t for x, t in zip(jax.tree.leaves(params), targets)):
+    if not copy and all(getattr(x, "sharding", None) == t for x, t in zip(jax.tree.leaves(params), targets)):
       return params
-    max_logging.log("The policy params are not on the rollout mesh's shardings; resharding them for sampling.")
-    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, self.abstract_params)
+    if not copy and not self._resharding_logged:
+      max_logging.log("The policy params are not on the rollout mesh's shardings; resharding them for sampling.")
+      self._resharding_logged = True
+    return jax.tree.map(
+        lambda x, a: jax.device_put(x, a.sharding, may_alias=False if copy else None), params, self.abstract_params
+    )
 
   def _truncate(self, prompts: list[list[int]], truncate: bool) -> tuple[list[list[int]], int]:
     """Keeps the last max_prefill_predict_length tokens of longer prompts (or fails); counts the truncated ones."""
