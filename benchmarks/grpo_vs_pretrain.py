@@ -5,8 +5,9 @@ A GRPO step samples G completions for each of B prompts (MaxText decoding with t
 frozen reference's forward over the B x G rows (when rl.grpo_beta > 0), then the policy's forward and backward over
 the same rows. The train part does what a pretraining step does on those rows, plus the clipped-ratio loss and an
 entropy over the vocabulary, so FLOPs predict train / pretraining = 1. Both steps are jitted by MaxText's
-`train_utils.jit_train_step` with the same state shardings and donation and run alternately in one process; the
-pretraining batch is the GRPO rows themselves (prompt + completion tokens, with their positions and segment ids).
+`train_utils.jit_train_step` with the same state shardings and donation and run one after the other on each rollout
+batch in one process, the one that goes first alternating; the pretraining batch is the GRPO rows themselves
+(prompt + completion tokens, with their positions and segment ids).
 Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, reference_time_s, train_time_s,
 pretrain_step_time_s, train_ratio}`.
 
@@ -54,22 +55,27 @@ def main(argv):
   p_pretrain_step = harness.jit_pretraining_step(loop, pretrain_config)
   times = {"rollout": [], "reward": [], "reference": [], "train": [], "pretrain": []}
 
-  def grpo_step(state):
-    loop.primary.state = state
-    batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  def run(step, state, batch):
     start = time.perf_counter()
-    state, _ = jax.block_until_ready(loop.primary.p_train_step(loop.primary.state, batch, {}))
-    return state, batch, dict(loop.objective.step_metrics), time.perf_counter() - start
+    state, _ = jax.block_until_ready(step(state, batch))
+    return state, time.perf_counter() - start
 
+  steps = {
+      "train": lambda state, batch: loop.primary.p_train_step(state, batch, {}),
+      "pretrain": lambda state, batch: p_pretrain_step(state, pretraining_batch(batch)),
+  }
   state = loop.primary.state
   with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     for repeat in range(-2, repeats):  # two warm-up rounds compile every program
-      state, batch, metrics, train_s = grpo_step(state)
-      start = time.perf_counter()
-      state, _ = jax.block_until_ready(p_pretrain_step(state, pretraining_batch(batch)))
+      loop.primary.state = state
+      batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+      metrics = dict(loop.objective.step_metrics)
+      # Alternating which step runs first after the rollout, so neither always meets the caches it left.
+      for part in sorted(steps, reverse=repeat % 2 == 1):
+        state, seconds = run(steps[part], state, batch)
+        if repeat >= 0:
+          times[part].append(seconds)
       if repeat >= 0:
-        times["pretrain"].append(time.perf_counter() - start)
-        times["train"].append(train_s)
         for part in ("rollout", "reward", "reference"):
           times[part].append(metrics.get(f"rl/{part}_seconds", 0.0))
   row = {"objective": f"{config.posttrain_mode} (G={config.rl.num_generations}, beta={config.rl.grpo_beta})"}

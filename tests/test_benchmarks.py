@@ -15,6 +15,7 @@ from benchmarks import grpo_vs_pretrain
 from benchmarks import harness
 from benchmarks import peers
 from benchmarks import ppo_vs_pretrain
+from benchmarks import rollouts_ahead
 from benchmarks import peft_memory
 from benchmarks import sft_vs_pretrain
 from maxtext.utils import maxtext_utils
@@ -64,6 +65,25 @@ def test_grpo_vs_pretrain_splits_the_step_into_rollout_reference_and_train(tmp_p
   assert len(row["step_times_s"]["rollout"]) == len(row["step_times_s"]["pretrain"]) == 2
   assert min(row[f"{part}_time_s"] for part in ("rollout", "reward", "reference", "train")) > 0
   assert row["train_ratio"] == row["train_time_s"] / row["pretrain_step_time_s"]
+
+
+def test_rollouts_ahead_times_both_ways_on_a_split_of_four_devices(tmp_path, tfds_dir):
+  """On 4 fake devices the trainer and the sampler get 2 each; both ways of stepping are timed, and one device is
+  refused in one line."""
+  output = tmp_path / "ahead.json"
+  tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=160"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
+  command = [sys.executable, "-m", "benchmarks.rollouts_ahead", "--repeats=1", "--block=3", f"--output={output}"]
+  completed = subprocess.run(
+      [*command, f"dataset_path={tfds_dir}", *tiny], env=env, capture_output=True, text=True, timeout=600, check=False
+  )
+  assert completed.returncode == 0, completed.stderr[-3000:]
+  (row,) = json.loads(output.read_text())
+  assert (row["trainer_devices"], row["sampler_devices"]) == (2, 2)
+  assert len(row["step_times_s"]["ahead"]) == len(row["step_times_s"]["back_to_back"]) == 2  # a block's first left out
+  assert row["ahead_ratio"] == row["ahead_time_s"] / row["back_to_back_time_s"]
+  with pytest.raises(SystemExit, match="xla_force_host_platform_device_count=4"):
+    rollouts_ahead.main(["", f"dataset_path={tfds_dir}"])
 
 
 def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfds_dir):

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from maxtext.inference import inference_utils
 from maxtext.trainers.pre_train import train_compile
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import cross_entropy
 from maxtext_posttrain.losses import logprobs
 from maxtext_posttrain.rollout import Sampler, SamplingParams
+from maxtext_posttrain.rollout import sampler as sampler_module
 from tests import test_rollout
 
 NO_EOS = test_rollout.NO_EOS
@@ -134,6 +137,41 @@ def test_first_token_frequencies_match_the_distribution(setup, flat_params, samp
     observed, pooled = observed[:-1], pooled[:-1] * observed[:-1].sum() / pooled[:-1].sum()
   assert big.sum() >= 4, f"too few likely tokens for a meaningful test ({big.sum()})"
   assert stats.chisquare(observed, pooled).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_greedy_and_weighted_draw_the_tokens_maxtexts_sampling_draws(temperature):
+  """The sampler's own greedy and weighted draws (an argmax XLA:CPU runs faster) pick MaxText's tokens, ties included:
+  the first index of the maximum, and `jax.random.categorical`'s Gumbel draw from each row's key."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(64, 1024)).astype(np.float32)
+  logits[:8, 100:110] = 50.0  # ties at the maximum
+  logits[8:16] = 0.0  # a whole row tied
+  keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(3), np.arange(64))
+  for strategy in ("greedy", "weighted"):
+    maxtext = jax.vmap(
+        lambda row, key, s=strategy: inference_utils.sampling(row, key, s, temperature=temperature)  # pylint: disable=cell-var-from-loop
+    )(logits, keys)
+    ours = SamplingParams(strategy, temperature).draw(logits, keys)
+    np.testing.assert_array_equal(ours, maxtext, err_msg=strategy)
+  assert SamplingParams("greedy").draw(logits, keys)[:16].tolist() == [100] * 8 + [0] * 8
+
+
+def test_cpu_cache_layout_decodes_what_another_layout_decodes(setup):
+  """On a CPU mesh MaxText's default KV-cache order (sequence, heads, batch, kv) decodes as (batch, heads, sequence,
+  kv); a TPU keeps it, and so does an order the config sets. The layout changes no token and log-probs only by
+  float32 rounding (the same sums in another order)."""
+  default = setup.config.ar_cache_axis_order
+  for platform, expected in (("cpu", "0,2,1,3"), ("tpu", default)):
+    decode = sampler_module._decode_config(setup.config, 2, 16, 8, False, platform)  # pylint: disable=protected-access
+    assert (decode.ar_cache_axis_order, decode.prefill_cache_axis_order) == (expected, expected), platform
+  other = config_lib.with_overrides(setup.config, ar_cache_axis_order="0,1,2,3", prefill_cache_axis_order="0,1,2,3")
+  assert sampler_module._decode_config(other, 2, 16, 8, False, "cpu").ar_cache_axis_order == "0,1,2,3"  # pylint: disable=protected-access
+  prompts, sampling = test_rollout._prompts()[:3], SamplingParams("weighted", 1.0)  # pylint: disable=protected-access
+  ours = _sample(setup, setup.params, prompts, sampling, num_samples=2)
+  theirs = Sampler(other, setup.mesh).sample(setup.params, prompts, 8, NO_EOS, jax.random.key(0), sampling, num_samples=2)
+  np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+  np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-5)
 
 
 def test_samples_of_one_prompt_differ_and_rng_is_per_call(setup):

@@ -21,6 +21,12 @@ the same config, with one change when the trainer scans its layers: decoding run
 weights are sliced per layer once per call inside the program (`_unscan`), because a scan inside the token loop
 re-slices every layer's weights on every token. Where the slices do not map onto the unscanned model (an unusual
 layer stack), the decode graph stays scanned and takes the params as they are.
+
+Two choices make the token loop cheap on a CPU, where it runs op by op: a config with MaxText's default KV-cache
+layout decodes with (batch, heads, sequence, kv) on a CPU mesh (`_CPU_CACHE_AXIS_ORDER`: no per-token transposes of
+the whole cache, an in-place update), and greedy and weighted draws take their argmax as a max and a min (`_argmax`)
+instead of XLA's (value, index) reduction; both change no token (tested against MaxText's layout and `sampling`).
+`start` returns as soon as the program is dispatched (RL's `rl.off_policy_steps` samples ahead with it).
 """
 
 from collections.abc import Callable
@@ -68,8 +74,22 @@ class _DecodeGraphs:
   create_model: Callable[[], nnx.Module]
 
 
+# MaxText's default KV-cache layout (sequence, heads, batch, kv) is laid out for TPU; on CPU the decode step then
+# transposes every layer's whole cache to (batch, heads, ...) for the attention dots on every token, and the cache
+# update is a copy rather than in place. Stored as (batch, heads, sequence, kv), the attention reads the cache as it
+# lies: the tiny config's decode step (32 rows, 64 + 128 cache) halves on CPU. Only a config that keeps MaxText's
+# default is changed; the axis order changes no value (the same tokens, log-probs within float32 rounding).
+_MAXTEXT_CACHE_AXIS_ORDER = "1,2,0,3"
+_CPU_CACHE_AXIS_ORDER = "0,2,1,3"
+
+
 def _decode_config(
-    config: pyconfig.HyperParameters, batch: int, prefill_length: int, max_new_tokens: int, scan_layers: bool
+    config: pyconfig.HyperParameters,
+    batch: int,
+    prefill_length: int,
+    max_new_tokens: int,
+    scan_layers: bool,
+    platform: str,
 ) -> pyconfig.HyperParameters:
   """The training config with the cache sized for one (batch, prompt bucket, max_new_tokens) shape.
 
@@ -77,14 +97,21 @@ def _decode_config(
   `max_target_length - max_prefill_predict_length` and its batch as `micro_batch_size_to_train_on`, all read at
   model construction; nothing else in a model's weights depends on them for the decoder blocks this targets (the
   unscanned decode graph is only used when its params line up with the policy's). The copy skips validation on purpose, as MaxText's own `verify_and_sync_scan_layers` does for its
-  config override.
+  config override. On a CPU mesh (`platform`, the rollout mesh's), a config that keeps MaxText's default KV-cache
+  layout decodes with `_CPU_CACHE_AXIS_ORDER`.
   """
+  layout = {}
+  if platform == "cpu" and all(
+      getattr(config, key) == _MAXTEXT_CACHE_AXIS_ORDER for key in ("prefill_cache_axis_order", "ar_cache_axis_order")
+  ):
+    layout = {key: _CPU_CACHE_AXIS_ORDER for key in ("prefill_cache_axis_order", "ar_cache_axis_order")}
   return config_lib.with_overrides(
       config,
       max_prefill_predict_length=prefill_length,
       max_target_length=prefill_length + max_new_tokens,
       micro_batch_size_to_train_on=batch,
       scan_layers=scan_layers,
+      **layout,
   )
 
 
@@ -211,9 +238,17 @@ class SamplingParams:
       raise ValueError(f"decode_sampling_nucleus_p (top_p) must be in (0, 1], got {self.top_p}.")
 
   def draw(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
-    """One token per row of `logits` [rows, vocab], row i drawn with `keys[i]`."""
+    """One token per row of `logits` [rows, vocab], row i drawn with `keys[i]`.
+
+    Greedy and weighted draw exactly the tokens MaxText's `sampling` draws (weighted: `jax.random.categorical`, i.e.
+    the argmax of logits / T plus Gumbel noise from the row's key), with the argmax taken as `_argmax` does.
+    """
     if self.strategy == "greedy":
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return _argmax(logits)
+    if self.strategy == "weighted":
+      logits = logits.astype(jnp.float32) / self.temperature
+      noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], logits.dtype))(keys)
+      return _argmax(logits + noise)
     strategy = self.strategy
     if self.top_p == 1.0:  # no nucleus truncation; MaxText's cut-off index would run past the vocabulary
       strategy = {"nucleus": "weighted", "composite": "topk"}.get(strategy, strategy)
@@ -225,6 +260,14 @@ class SamplingParams:
         temperature=self.temperature,
     )
     return jax.vmap(draw_row)(logits.astype(jnp.float32), keys).astype(jnp.int32)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, -1)` as int32 (the first index of the maximum), as a max and a min over the last axis: XLA CPU
+  runs argmax's (value, index) reduction element by element, about 1/10 of the decode step on the tiny config."""
+  ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
+  return jnp.minimum(first, x.shape[-1] - 1)  # a row of NaNs: the last id rather than one past the vocabulary
 
 
 @dataclasses.dataclass
@@ -389,6 +432,7 @@ class Sampler:
     _, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
     params = self._on_mesh(params, copy_params)
     stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
+    rng = jax.device_put(rng, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))  # a caller's mesh
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       out = decode(params, *inputs, stops, rng)
     return PendingRollouts(out, prompts, num_samples, num_truncated, set(stops.tolist()), process_local)
@@ -519,8 +563,9 @@ class Sampler:
   ) -> _DecodeGraphs:
     """Builds the prefill (B rows) and autoregressive (B x N rows) graphs abstractly; runs nothing."""
     scan_layers = self.config.scan_layers and not unscan
-    config = _decode_config(self.config, batch, prefill_length, max_new_tokens, scan_layers)
-    config_n = _decode_config(self.config, batch * num_samples, prefill_length, max_new_tokens, scan_layers)
+    platform = self.mesh.devices.flat[0].platform
+    config = _decode_config(self.config, batch, prefill_length, max_new_tokens, scan_layers, platform)
+    config_n = _decode_config(self.config, batch * num_samples, prefill_length, max_new_tokens, scan_layers, platform)
     _, prefill_model = model_creation_utils.create_nnx_abstract_model(config, self.mesh, model_mode=MODEL_MODE_PREFILL)
     _, prefill_cache_model = model_creation_utils.create_nnx_abstract_model(
         config, self.mesh, model_mode=MODEL_MODE_AUTOREGRESSIVE
