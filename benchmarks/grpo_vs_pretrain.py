@@ -6,8 +6,8 @@ frozen reference's forward over the B x G rows (when rl.grpo_beta > 0), then the
 the same rows. The train part does what a pretraining step does on those rows, plus the clipped-ratio loss and an
 entropy over the vocabulary, so FLOPs predict train / pretraining = 1. Both steps are jitted by MaxText's
 `train_utils.jit_train_step` with the same state shardings and donation and run one after the other on each rollout
-batch in one process, the one that goes first alternating; the pretraining batch is the GRPO rows themselves
-(prompt + completion tokens, with their positions and segment ids).
+batch in one process, the one that goes first alternating, and `train_ratio` is the median of the rounds' ratios; the
+pretraining batch is the GRPO rows themselves (prompt + completion tokens, with their positions and segment ids).
 Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, reference_time_s, train_time_s,
 pretrain_step_time_s, train_ratio}`.
 
@@ -70,8 +70,7 @@ def main(argv):
       loop.primary.state = state
       batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
       metrics = dict(loop.objective.step_metrics)
-      # Alternating which step runs first after the rollout, so neither always meets the caches it left.
-      for part in sorted(steps, reverse=repeat % 2 == 1):
+      for part in sorted(steps, reverse=repeat % 2 == 1):  # which step runs first alternates per round
         state, seconds = run(steps[part], state, batch)
         if repeat >= 0:
           times[part].append(seconds)
@@ -83,7 +82,8 @@ def main(argv):
     row[f"{part}_time_s"] = statistics.median(times[part])
   row["step_time_s"] = sum(row[f"{part}_time_s"] for part in ("rollout", "reward", "reference", "train"))
   row["pretrain_step_time_s"] = statistics.median(times["pretrain"])
-  row["train_ratio"] = row["train_time_s"] / row["pretrain_step_time_s"]
+  # Each round times both steps on the same rows: the median of the rounds' ratios pairs them.
+  row["train_ratio"] = statistics.median(t / p for t, p in zip(times["train"], times["pretrain"]))
   row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
   loop.primary.state = state
   printed = ("objective", "step_time_s", "rollout_time_s", "reward_time_s", "reference_time_s", "train_time_s")

@@ -59,6 +59,10 @@ The last line is for scripts: `peers: grpo_step_ratio=<ours/Tunix> sampler_token
       [--sampler_samples=4] [--sampler_new_tokens=128] [--emb_dim=256] [--num_heads=4] [--head_dim=64] [--mlp_dim=512]
       [--num_layers=2] [--vocab_size=1024] [--output=benchmark_peers.json]
 
+With `rl.off_policy_steps=1 trainer_devices_fraction=1 sampler_devices_fraction=1` ours samples one step ahead on the
+shared device (`rl/rollout_seconds` is then the wait); Tunix's learner, with one mesh for all roles, stays synchronous
+(it overlaps rollouts with training only across meshes).
+
 `--model=tiny` (default) is emb 256, 4 heads x 64, mlp 512, 2 layers, vocab 1024; `--model=benchmark` is the 34.6M
 benchmark model of `benchmarks.harness` (emb 1024, 16 heads x 64, mlp 4096, 2 layers, vocab 512). The dim flags
 override either preset; `key=value` arguments override our config, and Tunix's model and learner are built from the

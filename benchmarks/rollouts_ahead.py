@@ -16,7 +16,7 @@ the back-to-back step (rollout, reward, reference, train) say what overlap can h
 shorter than its longer side.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.rollouts_ahead [grpo.yml] [key=value ...]
-      [--repeats=3] [--block=4] [--output=benchmark_rollouts_ahead.json]
+      [--repeats=2] [--block=3] [--output=benchmark_rollouts_ahead.json]
 """
 
 import statistics
@@ -39,7 +39,7 @@ def main(argv):
         f"{jax.device_count()}. On CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4."
     )
   args = harness.parse(argv, default_config="grpo.yml")
-  repeats, block = int(args.flag("repeats", "3")), int(args.flag("block", "4"))
+  repeats, block = int(args.flag("repeats", "2")), int(args.flag("block", "3"))
   output = args.flag("output", "benchmark_rollouts_ahead.json")
   # Half a prompt per device x 8 samples: 2 prompts on 4 devices, one per trainer device, 16 rows a step.
   config = args.config(

@@ -5,15 +5,17 @@
 #
 #   bash scripts/readme_figures.sh /tmp/figures            # everything (about 55 minutes on 2 CPU cores)
 #   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, distill, compile,
-#                                                          # bench
+#                                                          # bench, peers (Tunix side by side: needs .venv-peers,
+#                                                          # `make peers-env`)
 #
 # The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
 set -euo pipefail
 
-OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [compile] [bench]}")
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [compile] [bench] [peers]}")
 shift
 GROUPS_WANTED=${*:-demo dpo rm distill compile bench}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$(pwd)
 PY=.venv/bin/python
 export JAX_PLATFORMS=cpu
 unset XLA_FLAGS
@@ -103,16 +105,27 @@ fi
 
 if wanted bench; then
   cd "$OUT"  # the benchmarks write their JSON rows into the working directory
-  export PYTHONPATH=$OLDPWD
-  PY=$OLDPWD/.venv/bin/python
+  export PYTHONPATH=$REPO
+  PY=$REPO/.venv/bin/python
   run bench_sft "$PY" -m benchmarks.sft_vs_pretrain --repeats=10
   run bench_sft_vocab32000 "$PY" -m benchmarks.sft_vs_pretrain --repeats=10 vocab_size=32000
   XLA_FLAGS=--xla_force_host_platform_device_count=4 run bench_sft_4devices "$PY" -m benchmarks.sft_vs_pretrain \
     --repeats=10 per_device_batch_size=2 ici_fsdp_parallelism=2 ici_tensor_parallelism=2
   run bench_dpo "$PY" -m benchmarks.dpo_vs_pretrain --repeats=5
   run bench_grpo "$PY" -m benchmarks.grpo_vs_pretrain --repeats=5
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 run bench_rollouts_ahead "$PY" -m benchmarks.rollouts_ahead
   run bench_ppo "$PY" -m benchmarks.ppo_vs_pretrain --repeats=5
   run bench_distill "$PY" -m benchmarks.distill_vs_pretrain --repeats=5
   run bench_decode "$PY" -m benchmarks.decode --repeats=3 --baseline_steps=16
   run bench_peft "$PY" -m benchmarks.peft_memory --repeats=3 --models=llama2-7b,llama3.1-8b,qwen3-8b,gemma2-9b,qwen3-0.6b
+fi
+
+if wanted peers; then
+  cd "$OUT"
+  export PYTHONPATH=$REPO
+  PEERS=$REPO/.venv-peers/bin/python
+  AHEAD=(rl.off_policy_steps=1 trainer_devices_fraction=1 sampler_devices_fraction=1)
+  run peers_tiny "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny.json
+  run peers_tiny_ahead "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny_ahead.json "${AHEAD[@]}"
+  run peers_benchmark "$PEERS" -m benchmarks.peers --model=benchmark --repeats=3 --output=peers_benchmark.json
 fi
