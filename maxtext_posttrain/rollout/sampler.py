@@ -432,7 +432,9 @@ class Sampler:
     _, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
     params = self._on_mesh(params, copy_params)
     stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
-    rng = jax.device_put(rng, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))  # a caller's mesh
+    # Uncommitted, so the program places it on this mesh whatever device the caller's key was made on (a key made
+    # under the trainer's mesh sits on the trainer's devices; a multi-process mesh takes no device_put of it).
+    rng = jax.random.wrap_key_data(np.asarray(jax.random.key_data(rng)), impl=jax.random.key_impl(rng))
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       out = decode(params, *inputs, stops, rng)
     return PendingRollouts(out, prompts, num_samples, num_truncated, set(stops.tolist()), process_local)
