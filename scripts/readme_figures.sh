@@ -124,8 +124,14 @@ if wanted peers; then
   cd "$OUT"
   export PYTHONPATH=$REPO
   PEERS=$REPO/.venv-peers/bin/python
+  PY=$REPO/.venv/bin/python
   AHEAD=(rl.off_policy_steps=1 trainer_devices_fraction=1 sampler_devices_fraction=1)
   run peers_tiny "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny.json
   run peers_tiny_ahead "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny_ahead.json "${AHEAD[@]}"
   run peers_benchmark "$PEERS" -m benchmarks.peers --model=benchmark --repeats=3 --output=peers_benchmark.json
+  # The peers' tiny GRPO step with one device for the trainer and one for the sampler, ours alone.
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 run rollouts_ahead_tiny "$PY" -m benchmarks.rollouts_ahead \
+    --repeats=3 --output=rollouts_ahead_tiny.json base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
+    head_dim=64 base_mlp_dim=512 base_num_decoder_layers=2 vocab_size=1024 max_target_length=128 \
+    max_prefill_predict_length=64 scan_layers=false remat_policy=none per_device_batch_size=1 rl.num_generations=2
 fi
