@@ -264,15 +264,14 @@ class PostTrainConfig(types.MaxTextConfig):
       0.5,
       gt=0.0,
       le=1.0,
-      description="Fraction of devices to use for the trainer (rl.off_policy_steps >= 1: the first of each process's "
-      "devices; 1 with sampler_devices_fraction=1: trainer and sampler share them).",
+      description="Fraction of devices to use for the trainer (rl.off_policy_steps >= 1: the first ones; 1 with "
+      "sampler_devices_fraction=1: trainer and sampler share them, the only choice of a multi-process job).",
   )
   sampler_devices_fraction: float = Field(
       0.5,
       gt=0.0,
       le=1.0,
-      description="Fraction of devices to use for the sampler (rl.off_policy_steps >= 1: the last of each process's "
-      "devices).",
+      description="Fraction of devices to use for the sampler (rl.off_policy_steps >= 1: the last ones).",
   )
 
   dpo: Preference = Field(default_factory=Preference, description="Preference tuning (posttrain_mode=dpo).")

@@ -46,29 +46,34 @@ def trainer_and_rollout_meshes(config, separate: bool) -> tuple[jax.sharding.Mes
   """(trainer mesh, rollout mesh): one mesh for both unless `separate` (a run that samples ahead) and MaxText's
   `trainer_devices_fraction` / `sampler_devices_fraction` are not both 1.
 
-  Then the trainer takes the first `trainer_devices_fraction` of every process's devices and the sampler the last
-  `sampler_devices_fraction` (MaxText's RL split, taken per process so that every process keeps rows of both), each
-  mesh laid out by the config's parallelism keys over its own devices. The two sets may not overlap.
+  Then the trainer takes the first `trainer_devices_fraction` of the devices and the sampler the last
+  `sampler_devices_fraction` (MaxText's RL split), each mesh laid out by the config's parallelism keys over its own
+  devices. The two sets may not overlap, and the job must be one process: JAX moves arrays between disjoint device
+  sets of several controllers only experimentally (TPU runtime), and the weights cross after every step.
   """
   trainer_fraction, sampler_fraction = config.trainer_devices_fraction, config.sampler_devices_fraction
   if not separate or trainer_fraction == sampler_fraction == 1.0:
     mesh = make_mesh(config)
     return mesh, mesh
+  if jax.process_count() > 1:
+    raise ValueError(
+        f"trainer_devices_fraction={trainer_fraction} and sampler_devices_fraction={sampler_fraction} give the "
+        f"sampler devices of its own, but this job has {jax.process_count()} processes, and multi-controller JAX "
+        "moves the weights between disjoint device sets of several hosts only experimentally (TPU runtime); set "
+        "both to 1 to sample ahead on the trainer's devices."
+    )
   if trainer_fraction + sampler_fraction > 1.0:
     raise ValueError(
         f"trainer_devices_fraction={trainer_fraction} + sampler_devices_fraction={sampler_fraction} > 1: the trainer "
         "and the sampler would share some devices; give them disjoint fractions, or 1 each to share all."
     )
-  trainer_devices, sampler_devices = [], []
-  for process in range(jax.process_count()):
-    local = [d for d in jax.devices() if d.process_index == process]
-    num_trainer, num_sampler = int(len(local) * trainer_fraction), int(len(local) * sampler_fraction)
-    if num_trainer < 1 or num_sampler < 1:
-      raise ValueError(
-          f"trainer_devices_fraction={trainer_fraction} and sampler_devices_fraction={sampler_fraction} of a "
-          f"process's {len(local)} devices leave the trainer {num_trainer} and the sampler {num_sampler}; each needs "
-          "at least one (set both to 1 to share the devices)."
-      )
-    trainer_devices += local[:num_trainer]
-    sampler_devices += local[len(local) - num_sampler :]
+  devices = jax.devices()
+  num_trainer, num_sampler = int(len(devices) * trainer_fraction), int(len(devices) * sampler_fraction)
+  if num_trainer < 1 or num_sampler < 1:
+    raise ValueError(
+        f"trainer_devices_fraction={trainer_fraction} and sampler_devices_fraction={sampler_fraction} of "
+        f"{len(devices)} devices leave the trainer {num_trainer} and the sampler {num_sampler}; each needs at least "
+        "one (set both to 1 to share the devices)."
+    )
+  trainer_devices, sampler_devices = devices[:num_trainer], devices[len(devices) - num_sampler :]
   return make_mesh(config, trainer_devices), make_mesh(config, sampler_devices)

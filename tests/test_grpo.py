@@ -279,7 +279,10 @@ def test_sampling_ahead_lags_one_update_keeps_the_data_order_and_resumes_exactly
 @pytest.mark.parametrize(
     "fractions, message",
     [
-        (("trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"), "leave the trainer 0 and the sampler 0"),
+        (
+            ("trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"),
+            "1 devices leave the trainer 0 and the sampler 0",
+        ),
         (("trainer_devices_fraction=1", "sampler_devices_fraction=0.5"), "would share some devices"),
     ],
 )
