@@ -368,7 +368,11 @@ class Sampler:
     )
     return rollouts.completions()
 
-  def sample(
+  def sample(self, *args, **kwargs) -> Rollouts:
+    """`start(...).result()`: samples and waits for the rows; arguments as `start`'s."""
+    return self.start(*args, **kwargs).result()
+
+  def start(
       self,
       params: nnx.State,
       prompts: list[list[int]],
@@ -380,8 +384,10 @@ class Sampler:
       stop_ids: tuple[int, ...] = (),
       truncate_prompts: bool | None = None,
       process_local: bool = False,
-  ) -> Rollouts:
-    """Samples `num_samples` completions of each prompt; each prompt is prefilled once.
+      copy_params: bool = False,
+  ) -> "PendingRollouts":
+    """Dispatches the sampling of `num_samples` completions of each prompt (each prompt prefilled once) and returns
+    as soon as the decode program runs on the sampler's devices; `PendingRollouts.result()` waits for the rows.
 
     Args:
       params: the policy's weights, `nnx.state(model, nnx.Param)` of a model built from this config; used in place
@@ -400,29 +406,9 @@ class Sampler:
         passes its own prompts (the same number on every process), which take its block of the batch's rows
         (`pipeline.process_rows`), and gets back only its rows; row keys are global row numbers, so N processes
         sample what one process sampling all their prompts in process order would.
+      copy_params: read a copy of `params` made before returning, so the caller may update or donate its own (a
+        train step) while this program still runs.
     """
-    return self.start(
-        params, prompts, max_new_tokens, eos_id, rng, sampling, num_samples, stop_ids, truncate_prompts, process_local
-    ).result()
-
-  def start(
-      self,
-      params: nnx.State,
-      prompts: list[list[int]],
-      max_new_tokens: int,
-      eos_id: int,
-      rng: jax.Array,
-      sampling: SamplingParams | None = None,
-      num_samples: int = 1,
-      stop_ids: tuple[int, ...] = (),
-      truncate_prompts: bool | None = None,
-      process_local: bool = False,
-      copy_params: bool = False,
-  ) -> "PendingRollouts":
-    """`sample`, returning as soon as the decode program is dispatched: the program runs on the sampler's devices
-    while the caller goes on, and `PendingRollouts.result()` waits for it. Arguments as `sample`'s, plus
-    `copy_params`: read a copy of `params` made before returning, so the caller may update or donate its own
-    (a train step) while this program still runs."""
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:
       truncate_prompts = self.config.overlong_policy == "truncate"
