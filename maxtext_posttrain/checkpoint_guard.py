@@ -1,17 +1,30 @@
-"""Refuses to resume from a checkpoint written for a different model, before anything is written.
+"""Refuses to resume from a checkpoint written for a different model, or one that cannot be read, before anything
+is written.
 
 Auto-resume restores whatever the run directory holds. If the model keys changed since (another width, depth or
 vocabulary), orbax would fail deep inside a restore, or a params-only overlay could silently keep fresh weights.
 Comparing the stored parameter shapes with the model's abstract state first gives one clear error and leaves the
 directory untouched. Adapters restored from another run (`lora.lora_restore_path`) are checked the same way.
+
+A latest checkpoint whose files are damaged (truncated, corrupted, partly deleted) fails inside orbax with pages of
+tree dumps; the restore's failure is reported in one line naming the step and its directory, nothing changed. With
+`resume_readable_checkpoint` the step is set aside (renamed, not deleted) and the newest earlier step is restored.
+A save that fails (a full disk) is reported naming the step; the steps saved before it are complete and untouched.
 """
+
+import contextlib
+import os
 
 import jax
 from etils import epath
 from orbax.checkpoint import v1 as ocp
 
+from jax.experimental import multihost_utils
+
 from maxtext.common import checkpointing
+from maxtext.utils import max_logging
 from maxtext.common import train_state_nnx
+from maxtext_posttrain import cli
 from maxtext_posttrain.peft import adapter_checkpoint
 
 _MAX_LISTED = 8
@@ -103,11 +116,76 @@ def check_adapter_source(path: str, adapters) -> None:
   )
 
 
+class CheckpointRefused(ValueError):
+  """A readable checkpoint that this config must not resume from or load (another model, other adapters)."""
+
+
+class UnreadableCheckpoint(cli.Failure):
+  """The latest checkpoint of a run cannot be restored."""
+
+
+class CheckpointWriteFailed(cli.Failure):
+  """A checkpoint save failed (a full disk, a lost mount); the earlier steps are intact."""
+
+
+_ERROR_CHARS = 240
+
+
+def _brief(error: BaseException) -> str:
+  """The first error of `error`'s chain of causes (orbax wraps a read's failure in a dump of the whole tree), in one
+  line of at most _ERROR_CHARS: its start and its end."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  text = " ".join(f"{type(error).__name__}: {error}".split())
+  half = (_ERROR_CHARS - 5) // 2
+  return text if len(text) <= _ERROR_CHARS else f"{text[:half]} ... {text[-half:]}"  # the cause is often at the end
+
+
+def set_aside_unreadable(checkpoint_manager, config, error: Exception) -> None:
+  """Handles `error`, raised while a role was restored or initialised: re-raised when there is no checkpoint to
+  blame; else UnreadableCheckpoint naming the latest step and its directory, unless `resume_readable_checkpoint`,
+  which renames that step's directory to `<step>.unreadable` (process 0; orbax lists integer names only) so that the
+  caller's next attempt restores the newest earlier step."""
+  step = None if checkpoint_manager is None else checkpointing.latest_step(checkpoint_manager)
+  if step is None:
+    raise error
+  directory = checkpoint_manager.directory / str(step)
+  if not config.resume_readable_checkpoint:
+    raise UnreadableCheckpoint(
+        f"The latest checkpoint, step {step} at {directory}, cannot be read: {_brief(error)}. Nothing was changed. "
+        "resume_readable_checkpoint=true sets it aside and resumes from the newest earlier step that reads."
+    ) from error
+  aside = checkpoint_manager.directory / f"{step}.unreadable"
+  if jax.process_index() == 0:
+    suffix = 1
+    while aside.exists():
+      aside, suffix = checkpoint_manager.directory / f"{step}.unreadable.{suffix}", suffix + 1
+    os.rename(directory, aside)
+  multihost_utils.sync_global_devices(f"set aside unreadable checkpoint {step}")
+  checkpoint_manager.close()
+  max_logging.log(f"Checkpoint step {step} cannot be read ({_brief(error)}); set aside as {aside}, trying the previous.")
+
+
+@contextlib.contextmanager
+def reporting_save_failures(checkpoint_manager, step: int | None):
+  """Turns a failed save under the block (`step`'s, or an earlier asynchronous one that orbax reports now) into
+  CheckpointWriteFailed naming the directory, the steps that are complete and the cause, in one line."""
+  try:
+    yield
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    saved = [s for s in checkpointing.all_steps(checkpoint_manager) if (checkpoint_manager.directory / str(s)).exists()]
+    which = "a checkpoint save" if step is None else f"the save at step {step} (or an earlier asynchronous one)"
+    raise CheckpointWriteFailed(
+        f"Writing {which} to {checkpoint_manager.directory} failed: {_brief(error)}. The complete steps there, "
+        f"{saved or 'none'}, are untouched; a resumed run restores the newest."
+    ) from error
+
+
 def _raise_on_mismatches(what: str, problems: list[str], advice: str) -> None:
   if problems:
     listed = "\n  ".join(problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-    raise ValueError(f"{what}:\n  {listed}{more}\n{advice}")
+    raise CheckpointRefused(f"{what}:\n  {listed}{more}\n{advice}")
 
 
 def check_same_adapter_source(checkpoint_manager, config) -> None:
@@ -120,7 +198,7 @@ def check_same_adapter_source(checkpoint_manager, config) -> None:
   directory = checkpoint_manager.directory / str(step)
   stored = (checkpointing.load_checkpoint_metadata(str(directory)).get("lora") or {}).get("lora_restore_path")
   if stored is not None and stored != config.lora.lora_restore_path:
-    raise ValueError(
+    raise CheckpointRefused(
         f"The run at {directory} started from lora.lora_restore_path={stored!r}, this config gives "
         f"{config.lora.lora_restore_path!r}. Resume with the run's value: the reference of DPO and RL is built from "
         "those adapters."

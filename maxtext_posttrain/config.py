@@ -97,6 +97,13 @@ class RL(types.RL):
   reward_on_error: Literal["raise", "zero"] = Field(
       "raise", description="A reward that raises: stop naming it and the sample (raise), or score 0 and count (zero)."
   )
+  reward_timeout_seconds: float = Field(
+      60.0,
+      ge=0.0,
+      description="Seconds a reward function may take on one call; it runs in a worker process, which a call past "
+      "this is killed with, and the call counts as a reward that raised (rl.reward_on_error). 0: no limit, called in "
+      "the training process.",
+  )
   dynamic_sampling: bool = Field(
       False,
       description="DAPO: drop groups whose rewards all agree and refill the batch with newly sampled prompts.",
@@ -245,6 +252,24 @@ class PostTrainConfig(types.MaxTextConfig):
       "truncate",
       description="Examples longer than max_target_length: 'truncate' (and count them) or 'error'.",
   )
+  nonfinite_policy: Literal["stop", "skip"] = Field(
+      "stop",
+      description="A step whose loss, gradient norm or rewards are NaN or infinite never updates the weights; stop: "
+      "end the run naming the step, the quantity and the batch's examples (checkpoints keep the last good step); "
+      "skip: go on without that update and count it (learning/nonfinite_steps; needs MaxText's abort_on_nan_loss and "
+      "abort_on_inf_loss false).",
+  )
+  resume_readable_checkpoint: bool = Field(
+      False,
+      description="A latest checkpoint that cannot be read: stop naming its step and path (false), or set it aside "
+      "(renamed <step>.unreadable) and resume from the newest earlier step that reads (true).",
+  )
+  resume_config_changes: list[str] = Field(
+      [],
+      description="Keys that change what a run trains on (manifest.RUN_KEYS: objective, data source and order, "
+      "tokenizer type, rl.num_generations; train_data: the train split's token fingerprint) may differ from the run's "
+      "manifest on resume only when listed here; others are refused.",
+  )
   eval_generation_examples: int = Field(
       0,
       ge=0,
@@ -318,6 +343,11 @@ class PostTrainConfig(types.MaxTextConfig):
     if self.posttrain_mode == "sft":
       self.use_sft = True  # what MaxText's SFT configs set; posttrain_mode=sft implies it
     self._resolve_rl()
+    if self.nonfinite_policy == "skip" and (self.abort_on_nan_loss or self.abort_on_inf_loss):
+      raise ValueError(
+          "nonfinite_policy=skip goes on past a NaN or infinite loss, on which MaxText's abort_on_nan_loss and "
+          "abort_on_inf_loss (true by default) end the run: set both to false."
+      )
     if self.use_tunix_gradient_accumulation:
       # MaxText's post-train yml enables this for Tunix's trainer; our loop always normalises an accumulated
       # gradient by the loss weight (tokens, pairs, ...) of the whole global batch.

@@ -3,6 +3,11 @@
 `<base_output_directory>/<run_name>/manifest.json` holds the resolved config, the seeds, the data split
 fingerprints and the versions of the packages that shape numerics. A resumed run appends a record of the resume
 instead of rewriting the original.
+
+The manifest is also what a resume is checked against: keys that change what the run trains on (the objective, the
+data source and its order, the tokenizer, the group size) and the train split's fingerprint (sha256 of its tokens:
+another file, tokenizer or template under the same keys) must match, or the resume is refused naming each, unless
+the config lists them in `resume_config_changes`. A model of another shape is refused by `checkpoint_guard`.
 """
 
 import datetime
@@ -57,6 +62,55 @@ def package_versions() -> dict[str, str | None]:
 
 def path(config) -> epath.Path:
   return epath.Path(config.base_output_directory) / config.run_name / "manifest.json"
+
+
+# Keys whose change on resume makes the resumed run train on something else than the run it continues.
+RUN_KEYS = (
+    "posttrain_mode",
+    "tokenizer_type",
+    "dataset_type",
+    "grain_file_type",
+    "grain_train_files",
+    "dataset_name",
+    "train_split",
+    "train_data_columns",
+    "prompt_template",
+    "data_shuffle_seed",
+    "packing",
+    "max_target_length",
+    "rl.num_generations",
+)
+TRAIN_DATA = "train_data"  # the name `resume_config_changes` gives the train split's fingerprint
+
+
+def _lookup(keys: dict, dotted: str):
+  for part in dotted.split("."):
+    keys = keys.get(part) if isinstance(keys, dict) else None
+  return keys
+
+
+def check_resume(config, data_description: dict) -> None:
+  """Raises ValueError naming every RUN_KEYS value (and the train data fingerprint) that differs from the run's
+  manifest, except those in `resume_config_changes`; nothing for a fresh run or a run without a manifest."""
+  target = path(config)
+  if not target.exists():
+    return
+  record = json.loads(target.read_text())
+  current = _jsonable(config.get_keys())
+  changes = [
+      f"{key}: {_lookup(record['config'], key)!r} -> {_lookup(current, key)!r}"
+      for key in RUN_KEYS
+      if _lookup(record["config"], key) != _lookup(current, key) and key not in config.resume_config_changes
+  ]
+  stored, now = _lookup(record, "data.train.fingerprint"), _lookup(_jsonable(data_description), "train.fingerprint")
+  if stored != now and TRAIN_DATA not in config.resume_config_changes:
+    changes.append(f"{TRAIN_DATA} (the train split's tokens): fingerprint {str(stored)[:12]} -> {str(now)[:12]}")
+  if changes:
+    raise ValueError(
+        f"Resuming {target.parent} with a config that changes what the run trains on: "
+        + "; ".join(changes)
+        + ". Use a new run_name, restore these values, or list the keys in resume_config_changes to resume anyway."
+    )
 
 
 def write(config, data_description: dict, start_step: int, mesh) -> epath.Path:

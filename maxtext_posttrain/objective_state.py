@@ -1,4 +1,5 @@
-"""An objective's host-side state (PPO's adaptive KL coefficient), saved at the steps its models are saved.
+"""An objective's host-side state (PPO's adaptive KL coefficient) and the loop's (steps skipped as non-finite), saved
+at the steps the models are saved.
 
 Model weights and optimizer state live in orbax checkpoints; a few floats an objective keeps on the host would be
 lost on a resume, and a resumed run would then differ from an uninterrupted one. They are written as JSON to
@@ -51,3 +52,18 @@ def restore(config, start_step: int) -> dict:
         f"{sorted(p.name for p in directory.iterdir())})."
     )
   return {}
+
+
+_NONFINITE_STEPS = "loop/nonfinite_steps"
+
+
+def with_loop_state(state: dict, loop) -> dict:
+  """The objective's `state` plus, in a run that skips non-finite steps, the loop's count of them (at every save from
+  the first, so that every checkpoint step has its file)."""
+  return state | {_NONFINITE_STEPS: loop.nonfinite_steps} if loop.config.nonfinite_policy == "skip" else state
+
+
+def split_loop_state(state: dict) -> tuple[dict, int]:
+  """(the objective's state, the loop's count of skipped non-finite steps) of a restored state."""
+  state = dict(state)
+  return state, int(state.pop(_NONFINITE_STEPS, 0))

@@ -103,6 +103,10 @@ def _frozen_models(frozen_graphdefs: dict[str, nnx.GraphDef], frozen_states: dic
   return lambda: {name: nnx.merge(graphdef, frozen_states[name]) for name, graphdef in frozen_graphdefs.items()}
 
 
+# 1.0 for a step whose loss or gradient norm was NaN or infinite and which therefore left the state unchanged.
+NONFINITE_METRIC = "learning/nonfinite"
+
+
 def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[str, nnx.GraphDef]):
   """A train step with MaxText's signature plus the in-step frozen roles' states, so MaxText's
   `get_functional_train_with_signature` supplies the state's shardings and donation."""
@@ -120,16 +124,26 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
       grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
     else:
       grads = raw_grads
+    raw_grad_norm = max_utils.l2norm_pytree(raw_grads)
+    before = jax.tree.map(lambda x: x, nnx.state(train_state, nnx.Not(nnx.Intermediate)))  # new Variables: kept
     if config.skip_step_on_spikes:  # MaxText's spike-skipping optimizer reads the loss and gradient norm
       train_state.apply_gradients(grads, loss=loss, grad_norm=max_utils.l2norm_pytree(grads))
     else:
       train_state.apply_gradients(grads)
+    # A non-finite loss or gradient never reaches the weights or the optimizer state: the step keeps the state it
+    # was given (a select XLA fuses into the update) and reports it; the loop then stops or counts the step.
+    finite = jnp.isfinite(loss) & jnp.isfinite(raw_grad_norm)
+    after = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old), nnx.state(train_state, nnx.Not(nnx.Intermediate)), before
+    )
+    nnx.update(train_state, after)
     scalars = {
         "learning/loss": loss,
         "learning/total_weights": weight,
         "learning/grad_norm": max_utils.l2norm_pytree(grads),
-        "learning/raw_grad_norm": max_utils.l2norm_pytree(raw_grads),
+        "learning/raw_grad_norm": raw_grad_norm,
         "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, trainable)),
+        NONFINITE_METRIC: 1.0 - finite.astype(jnp.float32),
     }
     scalars |= {f"learning/{k}": v / jnp.maximum(weight, 1.0) for k, v in metric_sums.items()}
     return nnx.state(train_state, nnx.Not(nnx.Intermediate)), {"scalar": scalars, "scalars": {}}
@@ -230,20 +244,23 @@ class TrainedModel:
       return self.p_eval_step(self.state, batch, frozen_states)
 
   def save(self, step: int, data_iterator, final: bool = False) -> None:
-    """MaxText's periodic save at `step`; `final` also saves a step off the period (MaxText's final save)."""
-    if final and step % self.config.checkpoint_period:
-      if self.checkpoint_manager is not None and step not in checkpointing.all_steps(self.checkpoint_manager):
-        checkpointing.save_checkpoint(self.checkpoint_manager, step, self.state, self.config, data_iterator, force=True)
-        checkpointing.print_save_message(step, self.config.async_checkpointing)
-      return
-    checkpointing.maybe_save_checkpoint(self.checkpoint_manager, self.state, self.config, data_iterator, step)
+    """MaxText's periodic save at `step`; `final` also saves a step off the period (MaxText's final save). A failed
+    save (here, or an asynchronous one found failed now) raises CheckpointWriteFailed naming its step."""
+    with checkpoint_guard.reporting_save_failures(self.checkpoint_manager, step):
+      if final and step % self.config.checkpoint_period:
+        if self.checkpoint_manager is not None and step not in checkpointing.all_steps(self.checkpoint_manager):
+          checkpointing.save_checkpoint(self.checkpoint_manager, step, self.state, self.config, data_iterator, force=True)
+          checkpointing.print_save_message(step, self.config.async_checkpointing)
+        return
+      checkpointing.maybe_save_checkpoint(self.checkpoint_manager, self.state, self.config, data_iterator, step)
 
   def latest_step(self) -> int | None:
     return None if self.checkpoint_manager is None else checkpointing.latest_step(self.checkpoint_manager)
 
   def wait_until_finished(self) -> None:
     if self.checkpoint_manager is not None:
-      checkpointing.wait_until_finished(self.checkpoint_manager)
+      with checkpoint_guard.reporting_save_failures(self.checkpoint_manager, None):
+        checkpointing.wait_until_finished(self.checkpoint_manager)
 
 
 def _jit_steps(spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding):
@@ -302,7 +319,44 @@ def build(
   init_state_fn, learning_rate_schedule = state_initializer(config, mesh, spec)
   with nn_partitioning.axis_rules(config.logical_axis_rules):
     abstract_state = nnx.eval_shape(init_state_fn)
-  checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
+  while True:
+    checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
+    try:
+      state, state_mesh_shardings, data_iterator, start_step = _restore_or_initialise(
+          spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn
+      )
+      break
+    except checkpoint_guard.CheckpointRefused:
+      raise
+    except Exception as error:  # pylint: disable=broad-exception-caught
+      # Raises naming the step unless resume_readable_checkpoint sets that step aside; then the next newest is tried.
+      checkpoint_guard.set_aside_unreadable(checkpoint_manager, config, error)
+  train_utils.validate_completed_steps(start_step, config.steps)
+  graphdef = nnx.graphdef(abstract_state)
+  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
+  p_train_step, p_eval_step = _jit_steps(
+      spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding
+  )
+  model = TrainedModel(
+      spec=spec,
+      config=config,
+      mesh=mesh,
+      graphdef=graphdef,
+      state=state,
+      state_mesh_shardings=state_mesh_shardings,
+      checkpoint_manager=checkpoint_manager,
+      learning_rate_schedule=learning_rate_schedule,
+      trainable=trainable_filter(config, spec),
+      p_train_step=p_train_step,
+      p_eval_step=p_eval_step,
+      start_step=start_step,
+  )
+  return model, data_iterator
+
+
+def _restore_or_initialise(spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn):
+  """(state, its shardings, the data iterator, the step to run next): the latest checkpoint restored by MaxText's
+  loader, or the role's starting weights."""
   adapters = lora.enabled(config, spec.name)
   if adapters:  # MaxText's save and restore then keep the adapter state this package defines
     adapter_checkpoint.install()
@@ -326,27 +380,7 @@ def build(
   if own_start:
     state["model"] = roles_lib.load_start_weights(state.model, config, spec)
   start_step = checkpointing.latest_step(checkpoint_manager) + 1 if resuming else 0
-  train_utils.validate_completed_steps(start_step, config.steps)
-  graphdef = nnx.graphdef(abstract_state)
-  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
-  p_train_step, p_eval_step = _jit_steps(
-      spec, config, graphdef, state_mesh_shardings, params_shardings, frozen, data_sharding, eval_data_sharding
-  )
-  model = TrainedModel(
-      spec=spec,
-      config=config,
-      mesh=mesh,
-      graphdef=graphdef,
-      state=state,
-      state_mesh_shardings=state_mesh_shardings,
-      checkpoint_manager=checkpoint_manager,
-      learning_rate_schedule=learning_rate_schedule,
-      trainable=trainable_filter(config, spec),
-      p_train_step=p_train_step,
-      p_eval_step=p_eval_step,
-      start_step=start_step,
-  )
-  return model, data_iterator
+  return state, state_mesh_shardings, data_iterator, start_step
 
 
 def abstract(

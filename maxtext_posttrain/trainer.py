@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from maxtext.common import data_loader
@@ -24,6 +25,7 @@ from maxtext.common import metric_logger
 from maxtext.utils import max_logging
 from maxtext.utils import sharding
 
+from maxtext_posttrain import cli
 from maxtext_posttrain import manifest
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objective_state
@@ -49,6 +51,7 @@ class Loop:
   step: int
   start_step: int
   rollout_mesh: jax.sharding.Mesh  # the sampler's: the trainer's mesh, or devices of its own (rl.off_policy_steps)
+  nonfinite_steps: int = 0  # steps skipped under nonfinite_policy=skip, over the whole run (saved with checkpoints)
   cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects
   _sampler: rollout.Sampler | None = None
 
@@ -161,6 +164,7 @@ def setup(config) -> Loop:
   specs = objective.roles
   frozen = {spec.name: roles_lib.build_frozen(spec, config, mesh) for spec in specs if not spec.trained}
   data = objective.make_data(mesh)
+  manifest.check_resume(config, data.description)
   data_sharding = sharding.get_input_data_sharding(config, mesh)
   eval_sharding = _eval_data_sharding(config, mesh) if data.eval is not None else None
   trained = {}
@@ -174,7 +178,8 @@ def setup(config) -> Loop:
     if index == 0:
       data.train = iterator
   start_step = _common_start_step(trained)
-  objective.load_host_state(objective_state.restore(config, start_step))
+  host_state, nonfinite_steps = objective_state.split_loop_state(objective_state.restore(config, start_step))
+  objective.load_host_state(host_state)
   manifest.write(config, data.description, start_step, mesh)
   return Loop(
       config=config,
@@ -187,6 +192,7 @@ def setup(config) -> Loop:
       step=start_step,
       start_step=start_step,
       rollout_mesh=rollout_mesh,
+      nonfinite_steps=nonfinite_steps,
   )
 
 
@@ -274,6 +280,35 @@ def _train_step(loop: Loop, batch) -> tuple[dict[str, Any], bool]:
   return metrics, primary_trained
 
 
+class NonFiniteStep(cli.Failure):
+  """A step whose loss or gradient norm was NaN or infinite, under nonfinite_policy=stop."""
+
+
+_MAX_NAMED_EXAMPLES = 16
+
+
+def _nonfinite(metrics: dict[str, Any]) -> list[str]:
+  """The trained roles whose step left its state unchanged for a non-finite loss or gradient (reads one scalar per
+  role, so it waits for the step; the next batch is already loaded)."""
+  return [k for k, v in metrics["scalar"].items() if k.rsplit("/", 1)[-1] == "nonfinite" and float(v)]
+
+
+def _stop_nonfinite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None:
+  """Raises NonFiniteStep naming the step, every non-finite figure it logged and the examples it trained on."""
+  figures = ", ".join(f"{k}={float(v)}" for k, v in metrics["scalar"].items() if not np.isfinite(float(v)))
+  examples = loop.objective.step_examples(loop, batch)
+  named = ", ".join(map(str, examples[:_MAX_NAMED_EXAMPLES])) + (
+      f" and {len(examples) - _MAX_NAMED_EXAMPLES} more" if len(examples) > _MAX_NAMED_EXAMPLES else ""
+  )
+  latest = loop.primary.latest_step()
+  kept = "no checkpoint was saved yet" if latest is None else f"the latest checkpoint is step {latest}"
+  raise NonFiniteStep(
+      f"Step {step}: non-finite {figures or 'gradient'}; the step trained on {loop.objective.example_unit} "
+      f"[{named or 'none read'}] of the train split (process {jax.process_index()}). The update was not applied and "
+      f"{kept}, with finite weights. nonfinite_policy=skip goes on without such steps."
+  )
+
+
 def _save(loop: Loop, logger: MetricLogger, step: int, final: bool = False) -> None:
   """Saves the objective's host state, then every trained role at `step`, the primary role last (with the data
   iterator), so a run killed between saves leaves the primary role's latest step complete in every role.
@@ -282,7 +317,7 @@ def _save(loop: Loop, logger: MetricLogger, step: int, final: bool = False) -> N
   this checkpoint starts logging at `step + 1`, so a row still held back when the run was killed would be lost."""
   if objective_state.due(loop.config, step, final):
     logger.flush_buffered()
-  objective_state.save(loop.config, step, loop.objective.host_state(), final)
+  objective_state.save(loop.config, step, objective_state.with_loop_state(loop.objective.host_state(), loop), final)
   models = list(loop.trained.values())
   for model in models[1:] + models[:1]:
     model.save(step, loop.data.train if model is loop.primary else None, final)
@@ -311,6 +346,12 @@ def train(loop: Loop) -> dict[str, Any]:
       if step == loop.start_step:
         _check_batch_keys(loop.objective, batch)
       metrics, primary_trained = _train_step(loop, batch)
+      if _nonfinite(metrics):
+        if config.nonfinite_policy == "stop":
+          _stop_nonfinite(loop, step, metrics, batch)
+        loop.nonfinite_steps += 1
+        max_logging.log(f"Step {step}: non-finite loss or gradient; update skipped ({loop.nonfinite_steps} so far).")
+      metrics["scalar"]["learning/nonfinite_steps"] = float(loop.nonfinite_steps)
       now = datetime.datetime.now()
       step_time, last_step_end = now - last_step_end, now
       loop.step = step + 1

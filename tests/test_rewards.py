@@ -6,6 +6,7 @@ import fractions
 import json
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -253,3 +254,75 @@ def test_batch_failure_no_row_reproduces(user_rewards):
   reward_set = rewards.RewardSet(["my_rewards:one_at_a_time"], [1.0], on_error="zero")
   np.testing.assert_array_equal(reward_set.score(["", ""], ["a", "b"], [SOLUTION] * 2)[0], [1, 1])
   assert reward_set.errors == {"my_rewards:one_at_a_time": 0}
+
+
+MISBEHAVES = "tests.rewards_for_tests:misbehaves"  # misbehaves on a completion that says how: hang, exit or raise
+
+
+@pytest.fixture(scope="module")
+def in_workers():
+  """A RewardSet per on_error that calls MISBEHAVES in a worker process with a 1 s timeout: shared by the tests, as a
+  worker takes about a second to start."""
+  reward_sets = {
+      on_error: rewards.RewardSet([MISBEHAVES], [1.0], on_error, timeout_seconds=1) for on_error in rewards.ON_ERROR
+  }
+  yield reward_sets
+  for reward_set in reward_sets.values():
+    reward_set.close()
+
+
+def test_reward_past_timeout_is_an_error(in_workers):
+  reward_set = in_workers["raise"]
+  np.testing.assert_array_equal(reward_set.score([""], ["ok"], [""])[0], [1])  # its worker started, not timed
+  start = time.perf_counter()
+  with pytest.raises(rewards.RewardError, match=re.escape(f"Reward {MISBEHAVES!r}: timed out after 1 s; a call on 2")):
+    reward_set.score(["", ""], ["ok", "hang"], ["", ""])
+  assert time.perf_counter() - start < 4
+
+
+def test_reward_past_timeout_scores_zero_and_is_counted_and_its_worker_is_replaced(in_workers):
+  reward_set = in_workers["zero"]
+  errors = reward_set.errors[MISBEHAVES]
+  np.testing.assert_array_equal(reward_set.score(["", ""], ["ok", "hang"], ["", ""])[0], [0, 0])
+  assert reward_set.errors[MISBEHAVES] == errors + 2
+  np.testing.assert_array_equal(reward_set.score([""], ["ok"], [""])[0], [1])
+
+
+def test_worker_that_dies_is_a_failure_not_a_hang(in_workers):
+  with pytest.raises(rewards.RewardError, match=r"on row 0: its worker process died \(exit code 1\); completion: 'exit'"):
+    in_workers["raise"].score(["", ""], ["exit", "ok"], ["", ""])
+
+
+def test_reward_raising_in_worker_reads_as_in_process(in_workers):
+  errors = []
+  for reward_set in (rewards.RewardSet([MISBEHAVES], [1.0]), in_workers["raise"]):
+    with pytest.raises(rewards.RewardError) as error:
+      reward_set.score(["", "", ""], ["ok", "raise", "ok"], ["", "", ""])
+    errors.append(error.value)
+  assert (
+      str(errors[0])
+      == str(errors[1])
+      == (f"Reward {MISBEHAVES!r} on row 1: ValueError: cannot score 'raise'; completion: 'raise'")
+  )
+  assert errors[1].row == 1 and "rewards_for_tests.py" in str(errors[1].__cause__.__cause__)  # the worker's traceback
+
+
+def test_rewards_never_execute_model_output(tmp_path):
+  """Completions are text to score, never code to run: not even the answer math-verify parses with sympy."""
+  target = tmp_path / "pwned"
+  code = f"__import__('pathlib').Path({str(target)!r}).write_text('x')"
+  system = f"__import__('os').system('touch {target}')"
+  completions = [
+      f"#### {code}",
+      f"#### exec({code!r})",
+      f"#### eval({code!r})",
+      f"```python\nimport os\nos.system('touch {target}')\n```\n#### os.system('touch {target}')",
+      f"#### \\boxed{{{system}}}",
+      f"#### $\\boxed{{{code}}}$",
+      f"#### \\frac{{{system}}}{{2}}",
+  ]
+  reward_set = rewards.RewardSet(["correctness", "format", "partial"], [1.0, 1.0, 1.0])
+  total, per_function = reward_set.score([code] * len(completions), completions, [SOLUTION] * len(completions))
+  assert not target.exists()
+  np.testing.assert_array_equal(per_function["correctness"], np.zeros(len(completions)))
+  assert np.isfinite(total).all() and reward_set.errors == {"correctness": 0, "format": 0, "partial": 0}

@@ -136,6 +136,22 @@ class SftEncoding:
     return {"inputs": example["inputs"], "targets": example["targets"]}
 
 
+# Each token's record index in its split: a per-token column, so that it survives packing. It travels with the
+# batch for messages that name examples (a non-finite step's), and no loss reads it.
+EXAMPLE_INDEX_KEY = "example_index"
+
+
+def batch_example_indices(batch: dict) -> list[int]:
+  """The split's record indices of this process's examples in a batch: per row (preference pairs) or per token (SFT
+  rows, padding excluded)."""
+  if EXAMPLE_INDEX_KEY not in batch:
+    return []
+  indices = local_rows(batch[EXAMPLE_INDEX_KEY])
+  if indices.ndim == 2:
+    indices = indices[local_rows(batch["inputs_segmentation"]) != 0]
+  return sorted({int(i) for i in indices})
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizedExamples:
   """A split's kept examples as a grain source, each tokenized when read (so a process tokenizes the examples of
@@ -149,7 +165,9 @@ class TokenizedExamples:
     return len(self.kept)
 
   def __getitem__(self, index):
-    return self.encoding.example(*self.encoding.tokens(self.source[int(self.kept[index])]))
+    source_index = int(self.kept[index])
+    example = self.encoding.example(*self.encoding.tokens(self.source[source_index]))
+    return example | {EXAMPLE_INDEX_KEY: np.full(len(example["inputs"]), source_index, np.int32)}
 
 
 def _num_target_tokens(targets, prompt_len, pad_id) -> int:
@@ -365,13 +383,14 @@ def make_sft_iterators(config, mesh, join=None, columns: tuple[str, ...] = ()):
     train_examples = join(train_examples, "train", train_stats)
     eval_examples = join(eval_examples, "eval", eval_stats) if eval_examples else None
   # Packing adds `<column>_segment_ids` / `_positions` for every column; only the tokens' are kept.
-  keep = SFT_KEYS + columns
+  columns = (EXAMPLE_INDEX_KEY,) + columns
+  keep = frozenset(SFT_KEYS + columns)
 
   def batch(dataset, batch_size):
     dataset = data_processing_utils.format_and_batch(
         dataset, config, batch_size, encoder.pad_id, ("inputs", "targets") + columns, encoder.tokenizer
     )
-    return dataset.map(_KeepKeys(frozenset(keep))) if columns else dataset
+    return dataset.map(_KeepKeys(keep))
 
   train_iterator = host_iterator(train_examples, batch, config, mesh, train=True)
   eval_iterator = host_iterator(eval_examples, batch, config, mesh, train=False) if eval_examples else None

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtext_posttrain import roles as roles_lib
+from maxtext_posttrain.data import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Objective(abc.ABC):
   name: ClassVar[str]
   batch_keys: ClassVar[tuple[str, ...]]
   rows_per_example: int = 1
+  example_unit = "examples"  # what the train split's records are, in messages
   off_policy_steps: int = 0
 
   def __init__(self, config):
@@ -105,6 +107,12 @@ class Objective(abc.ABC):
     """Whether trained role `role` takes an optimizer step at `step` (PPO's critic warm-up holds the policy)."""
     del role, step
     return True
+
+  def step_examples(self, loop, batch: dict[str, jax.Array] | None) -> list[int]:
+    """The train split's record indices of the examples the current step trained on, on this process (what a
+    non-finite step's error names), read from the batch's `example_index`."""
+    del loop
+    return pipeline.batch_example_indices(batch) if batch is not None else []
 
   def host_state(self) -> dict[str, Any]:
     """JSON-able host-side state that a resumed run must get back (saved with each checkpoint)."""

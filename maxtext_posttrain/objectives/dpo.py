@@ -78,6 +78,7 @@ class Preference(Objective):
   """`posttrain_mode=dpo`: one of `dpo.algo` in {dpo, ipo, orpo, simpo} on (prompt, chosen, rejected) pairs."""
 
   name = "dpo"
+  example_unit = "pairs"
   batch_keys = tuple(f"{side}_{field}" for side in preference_data.SIDES for field in preference_data.FIELDS)
 
   def __init__(self, config):

@@ -42,6 +42,7 @@ class RewardModel(Objective):
   """`posttrain_mode=reward_model`: Bradley-Terry on preference pairs."""
 
   name = "reward_model"
+  example_unit = "pairs"
   batch_keys = Preference.batch_keys
 
   def __init__(self, config):

@@ -190,6 +190,8 @@ class _Dispatched:
 class RLObjective(Objective):
   """Prompts, rollouts, rewards and evaluation of an RL objective; subclasses turn rollouts into training rows."""
 
+  example_unit = "prompts"
+
   def __init__(self, config, min_generations: int):
     super().__init__(config)
     check_config(config, min_generations)
@@ -202,7 +204,9 @@ class RLObjective(Objective):
     # The reward functions; None when the reward model is the only reward.
     self.rewards = None
     if functions or not rl.rewards:
-      self.rewards = rewards_lib.RewardSet([n for n, _ in functions], [w for _, w in functions], rl.reward_on_error)
+      self.rewards = rewards_lib.RewardSet(
+          [n for n, _ in functions], [w for _, w in functions], rl.reward_on_error, rl.reward_timeout_seconds
+      )
     self.reward_model_weight = dict(zip(rl.rewards, weights)).get(REWARD_MODEL)
     if self.reward_model_weight is not None:
       self.roles += (reward_model_role(config),)
@@ -212,6 +216,7 @@ class RLObjective(Objective):
     self.num_pieces = self.encoder.num_pieces  # ids the sampler can draw; the loss scores the same distribution
     self.train_prompts = self.eval_prompts = None
     self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
+    self.rollout_prompts: list[int] = []  # this process's prompts of the rollout batch being trained on
     self.steps_per_rollout = rl.num_iterations  # steps trained on one rollout batch
     self.off_policy_steps = rl.off_policy_steps
     self._ahead: dict[int, _Dispatched] = {}  # rollouts dispatched ahead, by the step that trains on them
@@ -251,12 +256,18 @@ class RLObjective(Objective):
     waiting for them, dispatches the rollouts of the steps this one samples ahead for (`rl.off_policy_steps`)."""
     dispatched = self._ahead.pop(loop.step, None) or self._dispatch(loop, self.indices(batch), loop.step, 0)
     self._dispatch_ahead(loop)
+    self.rollout_prompts = list(dispatched.indices)
     return self._score(loop, dispatched, metrics)
 
   def sample(self, loop, indices: list[int], round_index: int, metrics: dict | None) -> Rollouts:
     """`rl.num_generations` completions for each of this process's prompts, sampled now with the current policy
     (round `round_index` of this step) and scored (see `_score`)."""
+    self.rollout_prompts = (self.rollout_prompts if round_index else []) + list(indices)
     return self._score(loop, self._dispatch(loop, indices, loop.step, round_index), metrics)
+
+  def step_examples(self, loop, batch) -> list[int]:
+    del loop, batch
+    return sorted(set(self.rollout_prompts))
 
   def _dispatch_ahead(self, loop) -> None:
     """Dispatches, with the current weights, the rollouts of each step up to `rl.off_policy_steps` ahead that starts
