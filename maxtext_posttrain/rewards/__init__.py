@@ -16,6 +16,7 @@ with; that call, or a worker that dies, fails like a reward that raised.
 """
 
 from collections.abc import Callable, Sequence
+import atexit
 import ctypes
 import functools
 import importlib
@@ -27,7 +28,6 @@ import subprocess
 import sys
 import threading
 import traceback
-import weakref
 
 import numpy as np
 
@@ -153,26 +153,26 @@ def _serve(connection: mp_connection.Connection, spec: str, trainer_pid: int) ->
 
 class _Worker:
   """Calls one reward function in a process of its own, started on first use and replaced after one that dies or
-  overruns `timeout` (which is killed).
+  overruns a call's timeout (which is killed).
 
   The process is a fresh interpreter, not a fork of the trainer (whose JAX threads a fork would copy mid-flight),
   nor multiprocessing's spawn (which imports the trainer's `__main__` again: MaxText and JAX, seconds per worker). It
   loads the function by its spec, so a call sends the rows and gets back the scores, one round trip.
   """
 
-  def __init__(self, spec: str, timeout: float):
-    self.spec, self.timeout = spec, timeout
+  def __init__(self, spec: str):
+    self.spec = spec
     self._process: subprocess.Popen | None = None
     self._connection: mp_connection.Connection | None = None
     self._lock = threading.Lock()  # one call at a time on the connection
 
-  def __call__(self, prompts, completions, answers) -> np.ndarray:
+  def __call__(self, prompts, completions, answers, timeout: float) -> np.ndarray:
     with self._lock:
       try:
         if self._process is None or self._process.poll() is not None:  # not started yet, or died between calls
-          self._start()
+          self._start(timeout)
         self._connection.send((prompts, completions, answers))
-        reply = self._reply(self.timeout)
+        reply = self._reply(timeout)
       except (EOFError, OSError) as error:
         raise _WorkerFailure(f"its worker process died (exit code {self.close()})") from error
     if reply[0] == "broke":
@@ -181,7 +181,7 @@ class _Worker:
       raise _WorkerFailure(reply[1]) from _WorkerTraceback(reply[2])
     return reply[1]
 
-  def _start(self) -> None:
+  def _start(self, timeout: float) -> None:
     """Starts a worker process and waits until it has loaded the function, so that a call's time is the call's."""
     self.close()
     self._connection, child = multiprocessing.Pipe()
@@ -192,7 +192,7 @@ class _Worker:
           stdin=subprocess.DEVNULL,
       )
     self._connection.send((sys.path, self.spec))
-    self._reply(max(self.timeout, _START_S), " starting its worker process")
+    self._reply(max(timeout, _START_S), " starting its worker process")
 
   def _reply(self, timeout: float, doing: str = ""):
     """The worker's next message; _Timeout, with the worker killed, if none comes within `timeout` seconds."""
@@ -219,8 +219,20 @@ class _Worker:
       return process.wait()
 
 
-def _close_workers(workers: list[_Worker]) -> None:
-  for worker in workers:
+# One worker per reward spec in a process, shared by its reward sets (a run's, an evaluation's): a worker costs an
+# interpreter and its imports (math-verify, sympy: about a second) to start.
+_WORKERS: dict[str, _Worker] = {}
+
+
+def _worker(spec: str) -> _Worker:
+  if spec not in _WORKERS:
+    _WORKERS[spec] = _Worker(spec)
+  return _WORKERS[spec]
+
+
+@atexit.register
+def _close_workers() -> None:
+  for worker in _WORKERS.values():
     worker.close()
 
 
@@ -238,8 +250,8 @@ class RewardSet:
   reward that raised. A call that timed out is not repeated row by row, where a hang could cost the timeout once
   per row: under on_error="raise" it is a RewardError (row None for the batched call), under "zero" all its rows
   score 0 and are counted. A worker that died is repeated row by row, like an exception, to find the row that
-  kills it. With 0 the rewards are called in this process, without a limit. `close` (or garbage collection, or the
-  interpreter's exit) ends the workers.
+  kills it. With 0 the rewards are called in this process, without a limit. The reward sets of a process share one
+  worker per reward; `close` (or the interpreter's exit) ends those of this set's rewards.
   """
 
   def __init__(
@@ -260,16 +272,16 @@ class RewardSet:
     self.functions = [load(name) for name in names]  # loaded here too, so that a bad spec fails at once
     self.errors = dict.fromkeys(names, 0)
     if timeout_seconds > 0:
-      self._workers = [_Worker(name, timeout_seconds) for name in names]
-      self._calls = self._workers
-      weakref.finalize(self, _close_workers, self._workers)
+      self._workers = [_worker(name) for name in names]
+      self._calls = [functools.partial(worker, timeout=timeout_seconds) for worker in self._workers]
     else:
       self._workers = []
       self._calls = [functools.partial(_call, name, function) for name, function in zip(names, self.functions)]
 
   def close(self) -> None:
-    """Ends the worker processes, if any; a later `score` starts them again."""
-    _close_workers(self._workers)
+    """Ends the worker processes of this set's rewards, if any; a later `score` starts them again."""
+    for worker in self._workers:
+      worker.close()
 
   def score(self, prompts: list[str], completions: list[str], answers: list[str]):
     """(total float32 [N], {name: float32 [N]}): the weighted sum over rewards and each reward's scores."""
