@@ -153,6 +153,9 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   mask = np.asarray(batch["completion_mask"]) != 0
   difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
   assert mask.sum() >= 8 and difference.max() < 1e-4, difference.max()
+  # The prompts a non-finite step's error would name: those of the rollouts, one per prompt row.
+  prompts = loop.objective.step_examples(loop, batch)
+  assert len(prompts) == config.global_batch_size_to_train_on and prompts[-1] < len(loop.objective.train_prompts)
   # rl.force_on_policy_ratio=true pins the ratio to 1 whatever old log-probs the batch carries.
   forced = config_lib.with_overrides(config, rl=config.rl.model_copy(update={"force_on_policy_ratio": True}))
   stale = batch | {"old_logps": batch["old_logps"] - 1.0}

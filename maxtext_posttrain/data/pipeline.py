@@ -142,14 +142,14 @@ EXAMPLE_INDEX_KEY = "example_index"
 
 
 def batch_example_indices(batch: dict) -> list[int]:
-  """The split's record indices of this process's examples in a batch: per row (preference pairs) or per token (SFT
-  rows, padding excluded)."""
+  """The split's record indices of this process's examples in a batch: per token (SFT rows, padding excluded) or
+  [rows, 1] (preference pairs)."""
   if EXAMPLE_INDEX_KEY not in batch:
     return []
   indices = local_rows(batch[EXAMPLE_INDEX_KEY])
-  if indices.ndim == 2:
+  if "inputs_segmentation" in batch:
     indices = indices[local_rows(batch["inputs_segmentation"]) != 0]
-  return sorted({int(i) for i in indices})
+  return sorted({int(i) for i in indices.ravel()})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,7 +142,7 @@ class PairExamples:
   def __getitem__(self, index):
     record = self.source[int(self.kept[index])]
     prompt, *completions = self.encoding.fit(*self.encoding.tokens(record))
-    example = {pipeline.EXAMPLE_INDEX_KEY: np.int32(self.kept[index])}
+    example = {pipeline.EXAMPLE_INDEX_KEY: np.full((1,), self.kept[index], np.int32)}  # [rows, 1] in a batch
     for side, completion in zip(SIDES, completions):
       for field, array in side_arrays(prompt, completion, self.encoding.length, self.encoding.encoder.pad_id).items():
         example[f"{side}_{field}"] = array
