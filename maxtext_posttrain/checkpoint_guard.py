@@ -166,6 +166,17 @@ def set_aside_unreadable(checkpoint_manager, config, error: Exception) -> None:
   max_logging.log(f"Checkpoint step {step} cannot be read ({_brief(error)}); set aside as {aside}, trying the previous.")
 
 
+def drop_steps_after(checkpoint_manager, step: int) -> None:
+  """Deletes the checkpoints after `step` (-1: all): a role's saves that ran ahead of the primary role's latest
+  complete one, when a run was killed between the roles' saves at one step. Resumed, the run computes them again,
+  bit for bit, from the step the primary role restores."""
+  if checkpoint_manager is None:
+    return
+  for later in [s for s in checkpointing.all_steps(checkpoint_manager) if s > step]:
+    max_logging.log(f"Removing {checkpoint_manager.directory / str(later)}: the primary role's latest step is {step}.")
+    checkpoint_manager.delete(later)
+
+
 @contextlib.contextmanager
 def reporting_save_failures(checkpoint_manager, step: int | None):
   """Turns a failed save under the block (`step`'s, or an earlier asynchronous one that orbax reports now) into

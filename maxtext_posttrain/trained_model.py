@@ -311,9 +311,12 @@ def build(
     frozen: dict[str, roles_lib.FrozenModel],
     data_sharding,
     eval_data_sharding=None,
+    resume_at: int | None = None,
 ):
   """The trained role `spec` under its role `config`, restored from its checkpoints or initialised, and its jitted
-  steps. Returns (TrainedModel, the data iterator as MaxText's restore left it)."""
+  steps. Returns (TrainedModel, the data iterator as MaxText's restore left it). `resume_at`: for a role other than
+  the primary one, the primary's latest step (-1: none); this role's checkpoints after it are dropped (a run killed
+  between the roles' saves at one step)."""
   if spec.loss is None:
     raise ValueError(f"Role {spec.name} is trained but declares no loss.")
   init_state_fn, learning_rate_schedule = state_initializer(config, mesh, spec)
@@ -321,6 +324,8 @@ def build(
     abstract_state = nnx.eval_shape(init_state_fn)
   while True:
     checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
+    if resume_at is not None:
+      checkpoint_guard.drop_steps_after(checkpoint_manager, resume_at)
     try:
       state, state_mesh_shardings, data_iterator, start_step = _restore_or_initialise(
           spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn
@@ -331,7 +336,8 @@ def build(
     except Exception as error:  # pylint: disable=broad-exception-caught
       # Raises naming the step unless resume_readable_checkpoint sets that step aside; then the next newest is tried.
       checkpoint_guard.set_aside_unreadable(checkpoint_manager, config, error)
-  train_utils.validate_completed_steps(start_step, config.steps)
+  if start_step > config.steps:  # MaxText's check; a run that completed exactly `steps` is relaunched as a no-op
+    train_utils.validate_completed_steps(start_step, config.steps)
   graphdef = nnx.graphdef(abstract_state)
   params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_mesh_shardings)
   p_train_step, p_eval_step = _jit_steps(

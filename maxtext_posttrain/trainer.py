@@ -170,13 +170,20 @@ def setup(config) -> Loop:
   trained = {}
   for index, spec in enumerate(s for s in specs if s.trained):
     role_config = roles_lib.role_config(config, spec, primary=index == 0)
-    # The primary role's checkpoints carry the data iterator's state; the others restore none.
+    # The primary role's checkpoints carry the data iterator's state; the others restore none, and resume at its step.
     iterator = data.train if index == 0 else None
+    primary_latest = None if index == 0 else next(iter(trained.values())).latest_step()
+    resume_at = None if index == 0 else -1 if primary_latest is None else primary_latest
     trained[spec.name], iterator = trained_model.build(
-        spec, role_config, mesh, iterator, frozen, data_sharding, eval_sharding if index == 0 else None
+        spec, role_config, mesh, iterator, frozen, data_sharding, eval_sharding if index == 0 else None, resume_at
     )
     if index == 0:
       data.train = iterator
+  if next(iter(trained.values())).start_step == config.steps:
+    max_logging.log(
+        f"The run has completed its steps={config.steps} (checkpoints of step {config.steps - 1}): "
+        "nothing to train. Set steps higher to continue it."
+    )
   start_step = _common_start_step(trained)
   host_state, nonfinite_steps = objective_state.split_loop_state(objective_state.restore(config, start_step))
   objective.load_host_state(host_state)
@@ -197,8 +204,9 @@ def setup(config) -> Loop:
 
 
 def _common_start_step(trained: dict[str, trained_model.TrainedModel]) -> int:
-  """The step every trained role resumes at; raises ValueError naming their checkpoint steps if they differ (a run
-  stopped between the saves of two roles) rather than pairing models of different steps."""
+  """The step every trained role resumes at; raises ValueError naming their checkpoint steps if they differ (a role
+  behind the primary one: its checkpoints were removed) rather than pairing models of different steps. A role ahead
+  of the primary (a run killed between the roles' saves: the primary saves last) was brought back by `build`."""
   steps = {name: model.start_step for name, model in trained.items()}
   if len(set(steps.values())) > 1:
     listed = ", ".join(

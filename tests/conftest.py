@@ -45,6 +45,8 @@ _FILE_SECONDS = {
     "test_distill.py": 180,
     "test_peft.py": 155,
     "test_sharding.py": 115,
+    "test_reliability.py": 110,
+    "test_drills.py": 95,
     "test_ppo.py": 115,
     "test_grpo.py": 85,
     "test_benchmarks.py": 80,

@@ -1,6 +1,7 @@
 """PPO with a learned critic: learning, the value's position, resume of both models, warm-up and bad input."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +73,9 @@ def test_the_value_of_a_token_is_read_at_the_position_before_it(make_config):
 
 
 def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
-  """Killed after step 3 and resumed: rewards, policy and value losses and the adaptive KL coefficient equal the
-  uninterrupted run's, because both models, both optimizers and the controller come back from step 3."""
+  """Killed after step 3, in step 2's save between the critic's checkpoint and the policy's (the policy saves last),
+  and resumed: the critic's step 2 is dropped, both models, both optimizers and the controller come back from step
+  0, and rewards, policy and value losses and the adaptive KL coefficient equal the uninterrupted run's."""
   common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
   common += ("async_checkpointing=false", "learning_rate_schedule_steps=6", "learning_rate=1e-2", "rl.grpo_beta=0.1")
   common += ("ppo.adaptive_kl=true", "ppo.kl_target=0.01", "ppo.kl_horizon=100", "critic_overrides.learning_rate=0.01")
@@ -85,7 +87,9 @@ def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
 
   full = run("full", "steps=6")
   run("split", "steps=4", "save_checkpoint_on_completion=false")  # dies after step 3; its last checkpoint is step 2's
+  shutil.rmtree(tmp_path / "split" / "checkpoints" / "2")  # ... of which only the critic's was complete
   split = run("split", "steps=6")
+  assert sorted(int(p.name) for p in (tmp_path / "split" / "critic" / "checkpoints").iterdir()) == [0, 2, 4, 5]
   assert sorted(split) == sorted(full) == list(range(6))
   coefficients = [full[step]["rl/kl_coef"] for step in range(6)]
   assert len(set(coefficients)) > 3, coefficients  # the controller moves

@@ -48,6 +48,11 @@ def test_resume_repeats_the_uninterrupted_loss_sequence(make_config, tmp_path):
   manifest = json.loads((tmp_path / "split" / "manifest.json").read_text())
   assert [r["start_step"] for r in [manifest["first_run"], *manifest["resumes"]]] == [0, 4]
   assert sorted(int(p.name) for p in (tmp_path / "split" / "checkpoints").iterdir()) == [0, 3, 6, 7]
+  # Relaunched once more (a job retried after it finished): nothing to train, no error, nothing written.
+  loop, summary = run_utils.run(
+      make_config("steps=8", *common, f"metrics_file={tmp_path / 'split.jsonl'}", run_name="split")
+  )
+  assert summary["start_step"] == summary["end_step"] == 8 and run_utils.losses(tmp_path / "split.jsonl") == split
 
 
 def test_checkpoint_of_another_model_shape_is_refused_untouched(make_config, tmp_path):
