@@ -297,8 +297,11 @@ _MAX_NAMED_EXAMPLES = 16
 
 def _nonfinite(metrics: dict[str, Any]) -> list[str]:
   """The trained roles whose step left its state unchanged for a non-finite loss or gradient (reads one scalar per
-  role, so it waits for the step; the next batch is already loaded)."""
-  return [k for k, v in metrics["scalar"].items() if k.rsplit("/", 1)[-1] == "nonfinite" and float(v)]
+  role, so it waits for the step; the next batch is already loaded). The flags are waited for whole before they are
+  read: reading a replicated scalar while its multi-device program still runs deadlocked XLA:CPU's collectives on 4
+  fake devices (a rendezvous that two of the devices never joined)."""
+  flags = {k: v for k, v in metrics["scalar"].items() if k.rsplit("/", 1)[-1] == "nonfinite"}
+  return [k for k, v in jax.block_until_ready(flags).items() if float(v)]
 
 
 def _stop_nonfinite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None:

@@ -47,6 +47,7 @@ _FILE_SECONDS = {
     "test_sharding.py": 115,
     "test_reliability.py": 110,
     "test_drills.py": 95,
+    "test_load.py": 30,
     "test_ppo.py": 115,
     "test_grpo.py": 85,
     "test_benchmarks.py": 80,
