@@ -113,9 +113,10 @@ class MetricLogger(metric_logger.MetricLogger):
   step 0 is written, so the evaluation before the first step stays in the file, and that the per-step line shows
   the objective's own figures after the loss."""
 
-  def __init__(self, config, learning_rate_schedule, objective: objectives.Objective, start_step=0):
+  def __init__(self, config, learning_rate_schedule, objective: objectives.Objective, start_step=0, on_train_row=None):
     super().__init__(config, learning_rate_schedule, start_step)
     self.objective = objective
+    self.on_train_row = on_train_row  # (step, metrics) -> None, before a train step's row is written
     if config.metrics_file and start_step == 0 and jax.process_index() == 0:
       open(config.metrics_file, "w", encoding="utf-8").close()
 
@@ -132,6 +133,12 @@ class MetricLogger(metric_logger.MetricLogger):
         f"total_weights: {scalars['learning/total_weights']}, "
         + ", ".join(f"{name}: {value:.3f}" for name, value in figures.items())
     )
+
+  def write_metrics(self, metrics, step, metric_type="train"):
+    """MaxText's writing of a row, after `on_train_row` for a train step's."""
+    if metric_type == "train" and self.on_train_row is not None:
+      self.on_train_row(step, metrics)
+    super().write_metrics(metrics, step, metric_type)
 
   def flush_buffered(self) -> None:
     """Writes the rows MaxText's logger holds back (it writes step s's row at step s + 1, when reading it no longer
@@ -295,13 +302,22 @@ class NonFiniteStep(cli.Failure):
 _MAX_NAMED_EXAMPLES = 16
 
 
-def _nonfinite(metrics: dict[str, Any]) -> list[str]:
-  """The trained roles whose step left its state unchanged for a non-finite loss or gradient (reads one scalar per
-  role, so it waits for the step; the next batch is already loaded). The flags are waited for whole before they are
-  read: reading a replicated scalar while its multi-device program still runs deadlocked XLA:CPU's collectives on 4
-  fake devices (a rendezvous that two of the devices never joined)."""
-  flags = {k: v for k, v in metrics["scalar"].items() if k.rsplit("/", 1)[-1] == "nonfinite"}
-  return [k for k, v in jax.block_until_ready(flags).items() if float(v)]
+def _check_finite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None:
+  """Reads step `step`'s non-finite flags (one per trained role); under nonfinite_policy=stop raises NonFiniteStep if
+  one is set, under skip counts the step. Sets the step's `learning/nonfinite_steps` (skipped so far, this one
+  included) in its metrics row.
+
+  It runs as the step's row is written (MetricLogger.on_train_row): one step late, when MaxText's logger reads a
+  step's metrics, or before the step's checkpoint is saved (`_save` writes the rows first), so it adds no wait on
+  the device; no checkpoint holds a non-finite step. (Reading the flags right after the step's dispatch deadlocked
+  XLA:CPU's collectives on 4 fake devices.)"""
+  flags = [k for k, v in metrics["scalar"].items() if k.rsplit("/", 1)[-1] == "nonfinite" and float(v)]
+  if flags:
+    if loop.config.nonfinite_policy == "stop":
+      _stop_nonfinite(loop, step, metrics, batch)
+    loop.nonfinite_steps += 1
+    max_logging.log(f"Step {step}: non-finite loss or gradient; update skipped ({loop.nonfinite_steps} so far).")
+  metrics["scalar"]["learning/nonfinite_steps"] = float(loop.nonfinite_steps)
 
 
 def _stop_nonfinite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None:
@@ -338,7 +354,12 @@ def train(loop: Loop) -> dict[str, Any]:
   """Runs steps `loop.step .. config.steps`, evaluating every `eval_interval` steps; returns a summary."""
   config = loop.config
   primary = loop.primary
-  logger = MetricLogger(config, primary.learning_rate_schedule, loop.objective, start_step=loop.start_step)
+  batches = {}  # step -> the batch it trained on, until its row is written and its non-finite flags checked
+
+  def check(step, metrics):
+    _check_finite(loop, step, metrics, batches.pop(step, None))
+
+  logger = MetricLogger(config, primary.learning_rate_schedule, loop.objective, loop.start_step, check)
   logger.write_setup_info_to_tensorboard(primary.state.model.filter(nnx.Param))
   # Example counts (truncated, skipped, tokens) of each split, so they sit beside the curves they explain.
   logger.write_scalars(_numeric_leaves(loop.data.description, "data"), loop.step, "data")
@@ -357,12 +378,7 @@ def train(loop: Loop) -> dict[str, Any]:
       if step == loop.start_step:
         _check_batch_keys(loop.objective, batch)
       metrics, primary_trained = _train_step(loop, batch)
-      if _nonfinite(metrics):
-        if config.nonfinite_policy == "stop":
-          _stop_nonfinite(loop, step, metrics, batch)
-        loop.nonfinite_steps += 1
-        max_logging.log(f"Step {step}: non-finite loss or gradient; update skipped ({loop.nonfinite_steps} so far).")
-      metrics["scalar"]["learning/nonfinite_steps"] = float(loop.nonfinite_steps)
+      batches[step] = batch
       now = datetime.datetime.now()
       step_time, last_step_end = now - last_step_end, now
       loop.step = step + 1
@@ -374,6 +390,7 @@ def train(loop: Loop) -> dict[str, Any]:
       if primary_trained:
         logger.buffer_and_write_metrics(metrics, step, step_time)
       else:  # MaxText's row needs the primary role's loss: the other roles' figures go in a row of their own
+        check(step, metrics)
         logger.write_scalars({k: float(v) for k, v in metrics["scalar"].items()}, step, "train")
       _save(loop, logger, step)
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
@@ -385,6 +402,7 @@ def train(loop: Loop) -> dict[str, Any]:
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."
         )
         break
+    logger.flush_buffered()  # the last step's row, and its check, before the final save
     if config.save_checkpoint_on_completion and loop.step > loop.start_step:
       _save(loop, logger, loop.step - 1, final=True)
     for model in loop.trained.values():
