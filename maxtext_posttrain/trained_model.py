@@ -103,7 +103,7 @@ def _frozen_models(frozen_graphdefs: dict[str, nnx.GraphDef], frozen_states: dic
   return lambda: {name: nnx.merge(graphdef, frozen_states[name]) for name, graphdef in frozen_graphdefs.items()}
 
 
-# 1.0 for a step whose loss or gradient norm was NaN or infinite and which therefore left the state unchanged.
+# 1.0 for a step whose loss or gradient norm was NaN or infinite (under nonfinite_policy=skip it left the state as it was).
 NONFINITE_METRIC = "learning/nonfinite"
 
 
@@ -125,18 +125,19 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
     else:
       grads = raw_grads
     raw_grad_norm = max_utils.l2norm_pytree(raw_grads)
-    before = jax.tree.map(lambda x: x, nnx.state(train_state, nnx.Not(nnx.Intermediate)))  # new Variables: kept
+    finite = jnp.isfinite(loss) & jnp.isfinite(raw_grad_norm)
+    if config.nonfinite_policy == "skip":  # the state before the update, kept for a non-finite step
+      before = jax.tree.map(lambda x: x, nnx.state(train_state, nnx.Not(nnx.Intermediate)))  # new Variables: kept
     if config.skip_step_on_spikes:  # MaxText's spike-skipping optimizer reads the loss and gradient norm
       train_state.apply_gradients(grads, loss=loss, grad_norm=max_utils.l2norm_pytree(grads))
     else:
       train_state.apply_gradients(grads)
-    # A non-finite loss or gradient never reaches the weights or the optimizer state: the step keeps the state it
-    # was given (a select XLA fuses into the update) and reports it; the loop then stops or counts the step.
-    finite = jnp.isfinite(loss) & jnp.isfinite(raw_grad_norm)
-    after = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old), nnx.state(train_state, nnx.Not(nnx.Intermediate)), before
-    )
-    nnx.update(train_state, after)
+    if config.nonfinite_policy == "skip":
+      # A non-finite loss or gradient does not reach the weights or the optimizer state: the step keeps the state it
+      # was given. The select holds the state before and after the update at once (one more copy of it in the
+      # step's temporaries), so only a skipping run pays for it; under `stop` the run ends before any save.
+      updated = nnx.state(train_state, nnx.Not(nnx.Intermediate))
+      nnx.update(train_state, jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, before))
     scalars = {
         "learning/loss": loss,
         "learning/total_weights": weight,

@@ -328,11 +328,11 @@ def _stop_nonfinite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> No
       f" and {len(examples) - _MAX_NAMED_EXAMPLES} more" if len(examples) > _MAX_NAMED_EXAMPLES else ""
   )
   latest = loop.primary.latest_step()
-  kept = "no checkpoint was saved yet" if latest is None else f"the latest checkpoint is step {latest}"
+  kept = "No checkpoint was saved yet" if latest is None else f"The latest checkpoint is step {latest}'s"
   raise NonFiniteStep(
       f"Step {step}: non-finite {figures or 'gradient'}; the step trained on {loop.objective.example_unit} "
-      f"[{named or 'none read'}] of the train split (process {jax.process_index()}). The update was not applied and "
-      f"{kept}, with finite weights. nonfinite_policy=skip goes on without such steps."
+      f"[{named or 'none read'}] of the train split (process {jax.process_index()}). {kept}, from before it: no "
+      "checkpoint holds a non-finite step. nonfinite_policy=skip goes on without such steps."
   )
 
 

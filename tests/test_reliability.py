@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from orbax.checkpoint import v1 as ocp
 
 from maxtext_posttrain import checkpoint_guard
@@ -41,7 +40,7 @@ def _params(checkpoint_dir, step):
   return ocp.load_pytree(checkpoint_dir / str(step))["params"]
 
 
-def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_with_the_last_checkpoint_finite(make_config, tmp_path):
+def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_before_any_checkpoint_holds_it(make_config, tmp_path):
   config = make_config("steps=5", "checkpoint_period=1", *COMMON, f"metrics_file={tmp_path / 'm.jsonl'}")
   loop = trainer.setup(config)
   with pytest.raises(trainer.NonFiniteStep) as error:
@@ -52,16 +51,11 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_with_the_last
   assert examples == []
   named = message.split("trained on examples [")[1].split("]")[0]
   assert len(named.split(", ")) >= config.global_batch_size_to_train_on, message  # packed rows hold several
-  assert "latest checkpoint is step 1" in message and "nonfinite_policy=skip" in message
+  assert "The latest checkpoint is step 1's, from before it" in message and "nonfinite_policy=skip" in message
   checkpoints = tmp_path / "run" / "checkpoints"
   assert sorted(int(p.name) for p in checkpoints.iterdir()) == [0, 1]  # nothing saved at or after the NaN
   saved = jax.tree.leaves(_params(checkpoints, 1))
   assert saved and all(np.isfinite(np.asarray(leaf)).all() for leaf in saved)
-  # The weights the run holds are those of step 1's checkpoint: the NaN update was not applied.
-  held = jax.tree.leaves(loop.primary.state.model.filter(nnx.Param).to_pure_dict())
-  assert len(held) == len(saved)
-  for mine, stored in zip(held, saved):
-    np.testing.assert_array_equal(np.asarray(mine), np.asarray(stored))
 
 
 def test_nonfinite_policy_skip_goes_on_without_the_update_and_counts_it_across_a_resume(make_config, tmp_path):
