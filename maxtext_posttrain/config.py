@@ -254,10 +254,10 @@ class PostTrainConfig(types.MaxTextConfig):
   )
   nonfinite_policy: Literal["stop", "skip"] = Field(
       "stop",
-      description="A step whose loss, gradient norm or rewards are NaN or infinite never updates the weights; stop: "
-      "end the run naming the step, the quantity and the batch's examples (checkpoints keep the last good step); "
-      "skip: go on without that update and count it (learning/nonfinite_steps; needs MaxText's abort_on_nan_loss and "
-      "abort_on_inf_loss false).",
+      description="A step whose loss or gradient norm is NaN or infinite. stop: end the run naming the step, the "
+      "quantity and the batch's examples, before any checkpoint holds the step; skip: keep the state from before the "
+      "step (one more copy of the state in the step's memory), go on and count it (learning/nonfinite_steps; needs "
+      "MaxText's abort_on_nan_loss and abort_on_inf_loss false).",
   )
   resume_readable_checkpoint: bool = Field(
       False,
