@@ -47,10 +47,11 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_before_any_ch
     trainer.train(loop)
   message = str(error.value)
   assert message.startswith(f"Step {POISONED_STEP}: non-finite learning/loss=nan"), message
-  examples = loop.objective.step_examples(loop, None)  # SFT reads them from the batch, not kept: see the message
-  assert examples == []
-  named = message.split("trained on examples [")[1].split("]")[0]
-  assert len(named.split(", ")) >= config.global_batch_size_to_train_on, message  # packed rows hold several
+  listed, _, more = message.split("trained on examples [")[1].split("]")[0].partition(" and ")
+  named = [int(i) for i in listed.split(", ")]  # record indices, the first 16, then "and N more"
+  assert len(set(named)) == len(named) and named == sorted(named), message
+  count = len(named) + (int(more.removesuffix(" more")) if more else 0)
+  assert count >= config.global_batch_size_to_train_on, message  # packed rows hold several
   assert "The latest checkpoint is step 1's, from before it" in message and "nonfinite_policy=skip" in message
   checkpoints = tmp_path / "run" / "checkpoints"
   assert sorted(int(p.name) for p in checkpoints.iterdir()) == [0, 1]  # nothing saved at or after the NaN
