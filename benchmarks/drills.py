@@ -39,6 +39,11 @@ At the end of each run every checkpoint it holds is loaded and compared with the
   python -m benchmarks.drills [key=value ...] [--objectives=sft,dpo,grpo] [--kills=5] [--seed=0] [--steps=6]
       [--output=benchmark_drills.json] [--workdir=path]
 
+--objectives picks from sft, dpo, grpo, ppo and distill; the default leaves out the two whose launches carry a second
+model (PPO's critic, distillation's teacher). Distillation loads its teacher's weights, so its drill first trains a
+teacher once: a few steps of sft.yml with the 4 decoder layers of distill.yml's teacher, whose last checkpoint every
+distill launch, the reference's and the killed ones', loads (`teacher_overrides.load_parameters_path`).
+
 `key=value` arguments are appended to every run's command line (`dataset_path=...`). Run on a CPU: the runs are the
 tiny model, single-process (`JAX_PLATFORMS=cpu`).
 """
@@ -69,7 +74,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Per objective: the bundled config and the keys that make it a run of a few seconds. The RL reward varies under
 # random weights (completion length), so advantages and losses are not all zero; beta > 0 adds GRPO's reference. PPO
-# (not among the defaults) trains two roles, the critic saved before the policy at each step.
+# trains two roles, the critic saved before the policy at each step; distillation learns from a teacher that
+# `teacher_keys` trains first (neither is among the defaults).
 OBJECTIVES = {
     "sft": ("sft.yml", "per_device_batch_size=4"),
     "dpo": ("dpo.yml", "per_device_batch_size=2"),
@@ -90,6 +96,7 @@ OBJECTIVES = {
         "rl.rewards=['tests.rewards_for_tests:characters']",
         "rl.reward_weights=[1.0]",
     ),
+    "distill": ("distill.yml", "per_device_batch_size=4"),
 }
 RL_OBJECTIVES = ("grpo", "ppo")
 PHASES = {"step": ("step",), "rollout": ("rollout",), "checkpoint": ("write", "commit", "renamed")}
@@ -101,6 +108,10 @@ VOLATILE = ("perf/", "seconds", "time", "tokens_per_sec", "tflops")
 WRITE_SECONDS = 0.1
 DECODE_SHARE = 0.15
 TIMEOUT = 600  # seconds per launch
+# Distillation's teacher: distill.yml's `teacher_overrides` (base_num_decoder_layers: 4) over the SFT run. Any trained
+# weights of its shape serve; a drill's kills and comparisons are all the student's.
+TEACHER_DEPTH = ("base_num_decoder_layers=4",)
+TEACHER_STEPS = 2
 
 
 def phase_of(moment: str) -> str:
@@ -280,6 +291,21 @@ def _load_checkpoint(step_dir: pathlib.Path) -> tuple[list[bytes], str]:
   return [f"{x.dtype}{x.shape}".encode() + np.asarray(x).tobytes() for x in arrays], data_state
 
 
+def teacher_keys(out: pathlib.Path, *keys: str) -> tuple[str, ...]:
+  """Trains distillation's teacher under `out`: `TEACHER_STEPS` of the SFT run (with the drill's `keys`) at the
+  depth of distill.yml's teacher, into a compilation cache of its own, so that the distill reference still compiles
+  into an empty one. The key that has a distill launch load its last checkpoint."""
+  out.mkdir(parents=True, exist_ok=True)
+  argv = train_argv("sft", out, TEACHER_STEPS, False, f"jax_cache_dir={out / 'jax_cache'}", *keys, *TEACHER_DEPTH)
+  if _launch(["maxtext_posttrain.train"], argv, out / "launches.log")[0] != 0:
+    raise RuntimeError(f"distill: the teacher's run failed: {_last_line(out / 'launches.log')}")
+  return (f"teacher_overrides.load_parameters_path={out / 'run' / 'checkpoints' / str(TEACHER_STEPS - 1) / 'items'}",)
+
+
+# Per objective, what its runs need made first (under the directory given), as the keys every launch adds.
+SETUP = {"distill": teacher_keys}
+
+
 def reference_run(objective: str, out: pathlib.Path, steps: int, cache_dir: pathlib.Path, *keys: str) -> list[dict]:
   """The uninterrupted run, compiling every program afresh into the (empty) compilation cache `cache_dir`; its
   metrics rows."""
@@ -414,11 +440,15 @@ def summarize(objective: str, runs: list[Run]) -> dict:
 
 
 def drill(objective: str, kills: int, seed: int, steps: int, workdir: pathlib.Path, *keys: str) -> dict:
-  """The reference run and `kills` seeded kills of `objective` under `workdir`; the objective's summary."""
+  """The objective's SETUP, the reference run and `kills` seeded kills of `objective` under `workdir`; the
+  objective's summary."""
   out, cache_dir = workdir / objective, workdir / objective / "jax_cache"
   started = time.perf_counter()
+  if objective in SETUP:
+    keys = (*keys, *SETUP[objective](out / "setup", *keys))
+  reference_started = time.perf_counter()
   reference = reference_run(objective, out / "reference", steps, cache_dir, *keys)
-  reference_seconds = time.perf_counter() - started
+  reference_seconds = time.perf_counter() - reference_started
   runs = plan(random.Random(f"{seed}:{objective}"), objective, kills, steps, reference)
   for index, run in enumerate(runs):
     killed_run(objective, out / f"killed_{index}", run, out / "reference", steps, cache_dir, *keys)
