@@ -532,6 +532,12 @@ def initialize(argv: list[str], **kwargs) -> pyconfig.HyperParameters:
 def _build(argv: list[str], overrides: dict[str, Any]) -> pyconfig.HyperParameters:
   """MaxText's config of `argv` with `overrides` on top, keeping the argv for role overrides."""
   config = pyconfig.initialize(argv, config_class=PostTrainConfig, **overrides)
-  config._pydantic_config._argv = list(argv)  # pylint: disable=protected-access
   train_utils.validate_train_config(config)
+  if config.remat_policy is None:
+    # MaxText's config reader turns the string "none" into None, which its unscanned decoder reads as a policy
+    # (it wraps each layer in jax.checkpoint unless remat_policy == "none"): full remat, a backward pass that
+    # recomputes every layer. The string restores the documented meaning, no recomputation; scanned layers read
+    # "none" as MaxText always has.
+    config = with_overrides(config, remat_policy="none")
+  config._pydantic_config._argv = list(argv)  # pylint: disable=protected-access
   return config
