@@ -128,7 +128,7 @@ if wanted peers; then
   AHEAD=(rl.off_policy_steps=1 trainer_devices_fraction=1 sampler_devices_fraction=1)
   run peers_tiny "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny.json
   run peers_tiny_ahead "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny_ahead.json "${AHEAD[@]}"
-  run peers_benchmark "$PEERS" -m benchmarks.peers --model=benchmark --repeats=3 --output=peers_benchmark.json
+  run peers_benchmark "$PEERS" -m benchmarks.peers --model=benchmark --repeats=7 --output=peers_benchmark.json
   # The peers' tiny GRPO step with one device for the trainer and one for the sampler, ours alone.
   XLA_FLAGS=--xla_force_host_platform_device_count=2 run rollouts_ahead_tiny "$PY" -m benchmarks.rollouts_ahead \
     --repeats=3 --output=rollouts_ahead_tiny.json base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
