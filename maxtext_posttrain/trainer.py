@@ -407,8 +407,14 @@ def train(loop: Loop) -> dict[str, Any]:
       _save(loop, logger, loop.step - 1, final=True)
     for model in loop.trained.values():
       model.wait_until_finished()
-  finally:
-    logger.flush_metrics_and_cleanup()
+  except BaseException:
+    try:
+      logger.flush_metrics_and_cleanup()
+    except Exception as cleanup_error:  # pylint: disable=broad-exception-caught
+      # The run's own error is the one to report: a full disk that failed a save fails the metric writers' close too.
+      max_logging.log(f"Closing the metric writers failed as well: {cleanup_error!r}")
+    raise
+  logger.flush_metrics_and_cleanup()
   summary["end_step"] = loop.step
   summary["seconds"] = meter.elapsed()
   return summary

@@ -1,6 +1,7 @@
 """Faults a long run meets, in process: a non-finite step, an unreadable or half-written checkpoint, a full disk
 during a save, and a resume whose config changes what the run trains on."""
 
+import gc
 import subprocess
 
 import jax
@@ -33,11 +34,29 @@ class PoisonedSFT(sft.SFT):
     return base.LossOutput(total=out.total + jnp.sum(batch.get("poison", 0.0)), weight=out.weight, metrics=out.metrics)
 
 
+# Faults inside orbax leave traces of its asyncio work behind, reported when the garbage collector finalises them: a
+# failed read's background load never awaited and its per-array reads' errors, and a failed write's callback on an
+# event loop already closed. `_collect_orbax_garbage` finalises them within the test that made them, under these filters.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:coroutine '.*background_load' was never awaited:RuntimeWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:(?s)Exception ignored in.*(Event loop is closed|Encountered error while reading array index)"
+        ":pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _collect_orbax_garbage():
+  yield
+  gc.collect()
+
+
 COMMON = ("posttrain_mode=sft_poisoned_for_tests", "eval_interval=0", "async_checkpointing=false")
 
 
 def _params(checkpoint_dir, step):
-  return ocp.load_pytree(checkpoint_dir / str(step))["params"]
+  return ocp.load(checkpoint_dir / str(step))["params"]
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_before_any_checkpoint_holds_it(make_config, tmp_path):
