@@ -79,7 +79,10 @@ def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_devi
   """rl.off_policy_steps=1 with MaxText's halves on 4 fake devices (trainer on devices 0-1, sampler on 2-3, the
   weights copied across after every step) against the same run on one device shared by trainer and sampler: the
   same rollouts (rewards equal) and losses, one update stale after the first step."""
-  ahead = ["rl.off_policy_steps=1", "enable_checkpointing=false"]
+  # Unscanned layers, as tests/test_multiprocess.py runs RL on 4 fake devices: with scanned ones XLA:CPU now and then
+  # deadlocks a program on the trainer's two devices (one device thread waits in an all-reduce, the other in an
+  # all-gather of the same execution; seen once in PPO's run), where a TPU runs a program's collectives in order.
+  ahead = ["rl.off_policy_steps=1", "enable_checkpointing=false", "scan_layers=false"]
   single = multidevice_rl.run(
       str(tmp_path), str(tfds_dir), [*ahead, "trainer_devices_fraction=1", "sampler_devices_fraction=1"], "single",
       config_file,
@@ -89,7 +92,8 @@ def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_devi
   assert (split["trainer_devices"], split["rollout_devices"]) == ([0, 1], [2, 3])
   assert split["staleness"] == single["staleness"] == [0, 1, 1]
   assert split["rewards"] == single["rewards"]
-  np.testing.assert_allclose(split["losses"], single["losses"], rtol=1e-4, atol=1e-6)  # PPO's first loss is ~1e-6
+  # PPO's first loss is ~1e-6, what is left when terms of whitened advantages cancel: float32 summation order shows.
+  np.testing.assert_allclose(split["losses"], single["losses"], rtol=1e-4, atol=2e-6)
 
 
 def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(
