@@ -47,8 +47,8 @@ Layers and remat: Tunix's Llama3 is an unrolled list of layers, and its remat op
 fail inside its own vanilla rollout (its decode loop merges the remat-wrapped model within a while loop: flax's
 TraceContextError), so Tunix runs without remat. MaxText's scanned decoder always rematerialises (under
 `remat_policy=none` too), so ours runs `scan_layers=false remat_policy=none` here: the same layers and no
-recomputation on both sides (the compiled forward and backward passes' FLOPs agree to 0.1%). `maxtext_posttrain.config`
-keeps "none" a string, which MaxText's config reader would turn into None and its unscanned decoder into full remat.
+recomputation on both sides. `maxtext_posttrain.config` keeps "none" a string, which MaxText's config reader would
+turn into None and its unscanned decoder into full remat.
 `scan_layers=true remat_policy=full` (the project's configs, as the README's benchmarks run) times ours with scanned
 layers and full remat against Tunix without remat.
 
