@@ -59,7 +59,18 @@ def _params(checkpoint_dir, step):
   return ocp.load(checkpoint_dir / str(step))["params"]
 
 
-def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_before_any_checkpoint_holds_it(make_config, tmp_path):
+def test_a_nan_loss_stops_the_run_naming_the_step_and_its_examples_before_any_checkpoint_holds_it(
+    make_config, tmp_path, monkeypatch
+):
+  """The run's own error is the one raised even when closing its metric writers then fails too (as a full disk
+  fails both)."""
+  close = trainer.MetricLogger.flush_metrics_and_cleanup
+
+  def close_then_fail(logger):
+    close(logger)
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(trainer.MetricLogger, "flush_metrics_and_cleanup", close_then_fail)
   config = make_config("steps=5", "checkpoint_period=1", *COMMON, f"metrics_file={tmp_path / 'm.jsonl'}")
   loop = trainer.setup(config)
   with pytest.raises(trainer.NonFiniteStep) as error:
