@@ -41,8 +41,8 @@ At the end of each run every checkpoint it holds is loaded and compared with the
 
 --objectives picks from sft, dpo, grpo, ppo and distill; the default leaves out the two whose launches carry a second
 model (PPO's critic, distillation's teacher). Distillation loads its teacher's weights, so its drill first trains a
-teacher once: a few steps of sft.yml with the 4 decoder layers of distill.yml's teacher, whose last checkpoint every
-distill launch, the reference's and the killed ones', loads (`teacher_overrides.load_parameters_path`).
+teacher once: a few steps of sft.yml in the shape of distill.yml's `teacher_overrides` (4 decoder layers), whose last
+checkpoint every distill launch, the reference's and the killed ones', loads (`teacher_overrides.load_parameters_path`).
 
 `key=value` arguments are appended to every run's command line (`dataset_path=...`). Run on a CPU: the runs are the
 tiny model, single-process (`JAX_PLATFORMS=cpu`).
@@ -66,9 +66,11 @@ import warnings
 
 import jax
 import numpy as np
+import yaml
 from orbax.checkpoint import v1 as ocp
 
 from benchmarks import harness
+from maxtext_posttrain import config as config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,9 +110,8 @@ VOLATILE = ("perf/", "seconds", "time", "tokens_per_sec", "tflops")
 WRITE_SECONDS = 0.1
 DECODE_SHARE = 0.15
 TIMEOUT = 600  # seconds per launch
-# Distillation's teacher: distill.yml's `teacher_overrides` (base_num_decoder_layers: 4) over the SFT run. Any trained
-# weights of its shape serve; a drill's kills and comparisons are all the student's.
-TEACHER_DEPTH = ("base_num_decoder_layers=4",)
+# Distillation's teacher: a few steps of the SFT run with distill.yml's `teacher_overrides`. Any trained weights of its
+# shape serve; a drill's kills and comparisons are all the student's.
 TEACHER_STEPS = 2
 
 
@@ -292,11 +293,13 @@ def _load_checkpoint(step_dir: pathlib.Path) -> tuple[list[bytes], str]:
 
 
 def teacher_keys(out: pathlib.Path, *keys: str) -> tuple[str, ...]:
-  """Trains distillation's teacher under `out`: `TEACHER_STEPS` of the SFT run (with the drill's `keys`) at the
-  depth of distill.yml's teacher, into a compilation cache of its own, so that the distill reference still compiles
-  into an empty one. The key that has a distill launch load its last checkpoint."""
+  """Trains distillation's teacher under `out`: `TEACHER_STEPS` of the SFT run (with the drill's `keys`) in the
+  shape of distill.yml's `teacher_overrides`, into a compilation cache of its own, so that the distill reference
+  still compiles into an empty one. The key that has a distill launch load its last checkpoint."""
   out.mkdir(parents=True, exist_ok=True)
-  argv = train_argv("sft", out, TEACHER_STEPS, False, f"jax_cache_dir={out / 'jax_cache'}", *keys, *TEACHER_DEPTH)
+  with open(config_lib.resolve_config_file("distill.yml"), encoding="utf-8") as f:
+    shape = [f"{key}={value}" for key, value in yaml.safe_load(f)["teacher_overrides"].items()]
+  argv = train_argv("sft", out, TEACHER_STEPS, False, f"jax_cache_dir={out / 'jax_cache'}", *keys, *shape)
   if _launch(["maxtext_posttrain.train"], argv, out / "launches.log")[0] != 0:
     raise RuntimeError(f"distill: the teacher's run failed: {_last_line(out / 'launches.log')}")
   return (f"teacher_overrides.load_parameters_path={out / 'run' / 'checkpoints' / str(TEACHER_STEPS - 1) / 'items'}",)
