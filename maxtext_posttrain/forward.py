@@ -6,47 +6,80 @@ model is called. A role with a scalar head (a PPO critic, a reward model) is Max
 the decoder's final hidden state, normalised by MaxText's own final norm, exactly the vector the LM head reads. The
 decoder is MaxText's; nothing of it is re-implemented. Parameter paths stay MaxText's (plus `scalar_head/kernel`),
 so a policy checkpoint loads into a critic's decoder and `load_parameters_path` reads scalar-head checkpoints.
+
+A role with an LM head can compute its logits at chosen positions only (`logit_index`): an RL or preference loss
+reads the completion's tokens, so the LM head, its float32 logits and their softmax skip the prompt (the decoder's
+layers still run over every token, which the completion attends to). With a vocabulary of 100k+ ids the logits are
+the largest activations of a step, so this cuts memory as well as FLOPs.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.common.common_types import MODEL_MODE_TRAIN
 from maxtext.layers import linears
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 
 SCALAR_HEAD = "scalar_head"
 
 
-def _scalar_head_call(self, decoder_input_tokens, decoder_positions, decoder_segment_ids=None, enable_dropout=False, **_):
-  """The call of a MaxText model with a scalar head: [N, L] float32 values, position j's reading the tokens up to
-  and including inputs[:, j].
+def _hidden_state(model, decoder_input_tokens, decoder_positions, decoder_segment_ids, enable_dropout) -> jax.Array:
+  """[N, L, emb] the decoder's final hidden state: the last layer's output before the final norm.
 
-  MaxText's decoder returns (logits, hidden state, caches); the hidden state is the last layer's output before the
-  final norm, which `decoder_norm` applies here as MaxText's `apply_output_head` does before the LM head. The logits
-  the decoder also computes are unused, and XLA drops them from the compiled program. It is the model's `__call__`
-  (not a function beside it) because qwix's LoRA intercepts the operations of `__call__`: a critic under LoRA
-  computes through its adapters only when called this way.
-  """
-  _, hidden, _ = self.decoder(
-      shared_embedding=self.token_embedder,
+  MaxText's decoder returns (logits, hidden state, caches[, expert ids]); the logits it also computes are unused by
+  the callers here, and XLA drops them from the compiled program."""
+  return model.decoder(
+      shared_embedding=model.token_embedder,
       decoder_input_tokens=decoder_input_tokens,
       decoder_positions=decoder_positions,
       decoder_segment_ids=decoder_segment_ids,
       deterministic=not enable_dropout,
-      model_mode="train",
-  )
+      model_mode=MODEL_MODE_TRAIN,
+  )[1]
+
+
+def _scalar_head_call(self, decoder_input_tokens, decoder_positions, decoder_segment_ids=None, enable_dropout=False, **_):
+  """The call of a MaxText model with a scalar head: [N, L] float32 values, position j's reading the tokens up to
+  and including inputs[:, j].
+
+  `decoder_norm` normalises the hidden state as MaxText's `apply_output_head` does before the LM head. It is the
+  model's `__call__` (not a function beside it) because qwix's LoRA intercepts the operations of `__call__`: a
+  critic under LoRA computes through its adapters only when called this way.
+  """
+  hidden = _hidden_state(self, decoder_input_tokens, decoder_positions, decoder_segment_ids, enable_dropout)
   return getattr(self, SCALAR_HEAD)(self.decoder.decoder_norm(hidden))[..., 0].astype(jnp.float32)
 
 
-_SCALAR_CLASSES: dict[type, type] = {}
+def _lm_head_call(base: type):
+  """The call of a MaxText model (class `base`) with `logit_index` as well: [N, W] positions whose logits alone are
+  computed, [N, W, vocab], by MaxText's own `apply_output_head` (final norm, LM head, soft cap) on the hidden states
+  there. Without it, MaxText's call. The model's `__call__`, for qwix's LoRA as for the scalar head."""
+
+  def __call__(self, *args, logit_index=None, **kwargs):
+    if logit_index is None:
+      return base.__call__(self, *args, **kwargs)
+    hidden = jnp.take_along_axis(_hidden_state(self, *args, **kwargs), logit_index[..., None], axis=1)
+    return self.decoder.apply_output_head(self.token_embedder, hidden, not kwargs["enable_dropout"], MODEL_MODE_TRAIN)
+
+  return __call__
 
 
-def _scalar_class(base: type) -> type:
-  """One subclass per MaxText model class, so graphs built twice (abstract, then concrete) share their type."""
-  if base not in _SCALAR_CLASSES:
-    _SCALAR_CLASSES[base] = type(f"ScalarHead{base.__name__}", (base,), {"__call__": _scalar_head_call})
-  return _SCALAR_CLASSES[base]
+# One subclass per (head, MaxText model class), so graphs built twice (abstract, then concrete) share their type.
+_HEAD_CLASSES: dict[tuple[str, type], type] = {}
+
+
+def _head_class(head: str, base: type) -> type:
+  if (head, base) not in _HEAD_CLASSES:
+    call = _scalar_head_call if head == "scalar" else _lm_head_call(base)
+    _HEAD_CLASSES[head, base] = type(f"{head.capitalize()}Head{base.__name__}", (base,), {"__call__": call})
+  return _HEAD_CLASSES[head, base]
+
+
+def with_lm_head(model: nnx.Module) -> nnx.Module:
+  """`model` (MaxText's, before qwix wraps it) retyped so that its call takes `logit_index` (see `logits`)."""
+  model.__class__ = _head_class("lm", type(model))
+  return model
 
 
 def attach_scalar_head(model: nnx.Module, config) -> nnx.Module:
@@ -68,7 +101,7 @@ def attach_scalar_head(model: nnx.Module, config) -> nnx.Module:
           rngs=nnx.Rngs(0),
       ),
   )
-  model.__class__ = _scalar_class(type(model))
+  model.__class__ = _head_class("scalar", type(model))
   return model
 
 
@@ -79,13 +112,23 @@ def has_scalar_head(tree) -> bool:
   return SCALAR_HEAD in tree
 
 
-def logits(model, inputs: jax.Array, positions: jax.Array, segmentation: jax.Array, enable_dropout=False) -> jax.Array:
-  """[N, L, vocab] next-token logits of a MaxText model."""
+def logits(
+    model,
+    inputs: jax.Array,
+    positions: jax.Array,
+    segmentation: jax.Array,
+    enable_dropout=False,
+    logit_index: jax.Array | None = None,
+) -> jax.Array:
+  """[N, L, vocab] next-token logits of a MaxText model; with `logit_index` ([N, W] positions of each row, of a model
+  `with_lm_head`) those positions' only, [N, W, vocab]."""
+  kwargs = {} if logit_index is None else {"logit_index": logit_index}
   return model(
       decoder_input_tokens=inputs,
       decoder_positions=positions,
       decoder_segment_ids=segmentation,
       enable_dropout=enable_dropout,
+      **kwargs,
   )
 
 
@@ -98,13 +141,17 @@ def token_logps(
     temperature: float | jax.Array = 1.0,
     num_pieces: int | None = None,
     enable_dropout: bool = False,
+    logit_index: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """([N, L] log-probs of `targets` under softmax(logits / T), the [N, L, vocab] tempered float32 logits).
+  """([N, L] log-probs of `targets` under softmax(logits / T), the [N, L, vocab] tempered float32 logits); with
+  `logit_index` ([N, W] positions, see `logits`) both at those positions only: [N, W] and [N, W, vocab].
 
   With `num_pieces` (the tokenizer's) the ids it cannot decode are masked out as the sampler masks them, so the
   scored distribution is the sampled one; None scores the whole vocabulary.
   """
-  scores = logits(model, inputs, positions, segmentation, enable_dropout).astype(jnp.float32) / temperature
+  scores = logits(model, inputs, positions, segmentation, enable_dropout, logit_index).astype(jnp.float32) / temperature
+  if logit_index is not None:
+    targets = jnp.take_along_axis(targets, logit_index, axis=1)
   if num_pieces is not None:
     scores = logprobs_lib.mask_undecodable(scores, num_pieces)
   return logprobs_lib.token_logprobs(scores, targets), scores

@@ -154,6 +154,8 @@ def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Mo
     model = create_model()
     if spec.head == "scalar":
       forward.attach_scalar_head(model, config)
+    else:
+      forward.with_lm_head(model)
     if spec.prepare is not None:
       model = spec.prepare(model)
     return lora.apply(model, config, spec.name) if spec.trained else model

@@ -4,6 +4,7 @@ sampler/trainer agreement, inner iterations, dynamic sampling, and seeded runs t
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -165,6 +166,56 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
           loop.primary.state, stale
       )
     np.testing.assert_allclose(float(out.metrics["ratio_mean"] / out.weight), expected_ratio, rtol=1e-4)
+
+
+def test_the_losses_read_the_lm_head_at_the_completions_only(make_config):
+  """The policy's loss and the reference compute logits at each row's completion window only
+  (`rl_base.completion_index`; here 16 of 80 positions): there they are the full forward's, also through LoRA
+  adapters (qwix intercepts the windowed call as it does MaxText's), and the compiled GRPO train step costs fewer FLOPs
+  than MaxText's own pretraining step on the same rows, which computes the logits everywhere."""
+  from benchmarks import grpo_vs_pretrain, harness  # pylint: disable=import-outside-toplevel
+
+  config = make_config(*TINY, *CHARACTERS, "rl.grpo_beta=0.04", "eval_interval=0", config_file=GRPO)
+  loop = trainer.setup(config)
+  batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  index = rl_base.completion_index(batch, config_lib.max_new_tokens(config))
+  assert index.shape == (8, 16)
+  rows = config.global_batch_size_to_train_on * config.rl.num_generations
+  pretrain_config = config_lib.with_overrides(
+      config, micro_batch_size_to_train_on=rows, global_batch_size_to_train_on=rows
+  )
+  with loop.primary.scope():
+    train = loop.primary.p_train_step.lower(loop.primary.state, batch, {}).compile().cost_analysis()["flops"]
+    pretraining_batch = grpo_vs_pretrain.pretraining_batch(batch)
+    step = harness.jit_pretraining_step(loop, pretrain_config)
+    pretrain = step.lower(loop.primary.state, pretraining_batch).compile().cost_analysis()["flops"]
+  print(f"GFLOP: GRPO train step {train / 1e9:.3f}, MaxText's pretraining step {pretrain / 1e9:.3f}")
+  assert train < 0.95 * pretrain, (train, pretrain)
+
+  lora_config = make_config(
+      *TINY,
+      *CHARACTERS,
+      "lora.enable_lora=true",
+      "lora.lora_rank=4",
+      "lora.lora_alpha=8",
+      "eval_interval=0",
+      config_file=GRPO,
+  )
+  lora_loop = trainer.setup(lora_config)
+  model = lora_loop.policy()
+  adapters = nnx.state(model, nnx.LoRAParam)
+  keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(adapters))))
+  nnx.update(model, jax.tree.map(lambda a: 0.1 * jax.random.normal(next(keys), a.shape, a.dtype), adapters))
+  for policy in (loop.policy(), model):
+    with loop.primary.scope():
+      full = rl_base.token_logps(policy, batch, 0.7)
+      window = rl_base.token_logps(policy, batch, 0.7, logit_index=index)
+    np.testing.assert_allclose(window[0], rl_base.at_index(full[0], index), atol=1e-5)
+    np.testing.assert_allclose(window[1], jnp.take_along_axis(full[1], index[..., None], axis=1), atol=1e-4)
+  nnx.update(model, jax.tree.map(jnp.zeros_like, adapters))
+  with loop.primary.scope():
+    without_adapters = rl_base.token_logps(model, batch, 0.7, logit_index=index)[0]
+  assert np.abs(np.asarray(window[0] - without_adapters)).max() > 1e-3  # the adapters did change the window's logits
 
 
 @pytest.mark.parametrize("use_rollout_logps", [True, False])

@@ -28,7 +28,8 @@ from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives.rl_base import ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered, token_logps
+from maxtext_posttrain.objectives.rl_base import ROW_FLOATS, ROW_KEYS, RLObjective, at_index, check_cycle, completion_index
+from maxtext_posttrain.objectives.rl_base import gathered, token_logps
 from maxtext_posttrain.objectives.rl_base import training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
@@ -159,6 +160,7 @@ class GRPO(RLObjective):
         [c for g in groups for c in g.completions],
         [lp for g in groups for lp in g.logprobs],
         config.max_target_length,
+        window=self.max_new_tokens,
     )
     if masked:
       rows["completion_mask"][-masked * rl.num_generations :] = 0
@@ -167,12 +169,12 @@ class GRPO(RLObjective):
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     config, rl = self.config, self.rl
-    logps, logits = token_logps(
-        model, batch, self.sampling.temperature, self.num_pieces, enable_dropout=config.enable_dropout and is_train
-    )
-    mask = batch["completion_mask"]
-    old_logps = jax.lax.stop_gradient(logps) if rl.force_on_policy_ratio else batch["old_logps"]
-    advantages = batch["advantages"][:, 0] if self.algo == "gspo" else batch["advantages"]
+    index = completion_index(batch, self.max_new_tokens)
+    dropout = config.enable_dropout and is_train
+    logps, logits = token_logps(model, batch, self.sampling.temperature, self.num_pieces, dropout, index)
+    mask = at_index(batch["completion_mask"], index)
+    old_logps = jax.lax.stop_gradient(logps) if rl.force_on_policy_ratio else at_index(batch["old_logps"], index)
+    advantages = batch["advantages"][:, 0] if self.algo == "gspo" else at_index(batch["advantages"], index)
     out = policy_gradient.policy_loss(
         logps,
         old_logps,
@@ -182,7 +184,7 @@ class GRPO(RLObjective):
         epsilon_low=rl.grpo_epsilon,
         epsilon_high=rl.epsilon_high,
         dual_clip=rl.dual_clip,
-        ref_logps=batch.get(REFERENCE_KEY),
+        ref_logps=at_index(batch[REFERENCE_KEY], index) if REFERENCE_KEY in batch else None,
         beta=rl.grpo_beta,
         kl_estimator=rl.kl_estimator,
         agg_mode=self.agg_mode,
@@ -190,7 +192,7 @@ class GRPO(RLObjective):
     )
     entropy = logprobs_lib.entropy(logits)
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
-    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, frozen, self.agg_mode)
+    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, index, frozen, self.agg_mode)
     metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
     return LossOutput(out.total + teacher_total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
 

@@ -32,8 +32,7 @@ from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
 from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
-from maxtext_posttrain.objectives.rl_base import token_logps
-from maxtext_posttrain.objectives.rl_base import training_rows
+from maxtext_posttrain.objectives.rl_base import at_index, completion_index, token_logps, training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 CRITIC = "critic"
@@ -206,7 +205,9 @@ class PPO(RLObjective):
     rows kept on the host)."""
     timer, metrics = time.perf_counter(), {}
     out = self.step_rollouts(loop, batch, metrics)
-    rows = training_rows(out.prompts, out.completions, out.logprobs, self.config.max_target_length)
+    rows = training_rows(
+        out.prompts, out.completions, out.logprobs, self.config.max_target_length, window=self.max_new_tokens
+    )
     device = pipeline.process_local_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
@@ -269,20 +270,20 @@ class PPO(RLObjective):
     """The policy's clipped surrogate on GAE advantages (plus the KL term under ppo.kl_penalty=loss, minus the
     entropy bonus, plus the KL to the teacher under rl.teacher_kl_coef)."""
     config, rl = self.config, self.rl
-    logps, logits = token_logps(
-        model, batch, self.sampling.temperature, self.num_pieces, config.enable_dropout and is_train
-    )
-    mask = batch["completion_mask"]
+    index = completion_index(batch, self.max_new_tokens)
+    dropout = config.enable_dropout and is_train
+    logps, logits = token_logps(model, batch, self.sampling.temperature, self.num_pieces, dropout, index)
+    mask = at_index(batch["completion_mask"], index)
     out = policy_gradient.policy_loss(
         logps,
-        batch["old_logps"],
-        batch["advantages"],
+        at_index(batch["old_logps"], index),
+        at_index(batch["advantages"], index),
         mask,
         algo="grpo",
         epsilon_low=rl.grpo_epsilon,
         epsilon_high=rl.epsilon_high,
         dual_clip=rl.dual_clip,
-        ref_logps=batch.get(REFERENCE_KEY),
+        ref_logps=at_index(batch[REFERENCE_KEY], index) if REFERENCE_KEY in batch else None,
         kl_estimator=rl.kl_estimator,
         agg_mode=self.agg_mode,
         max_length=self.max_new_tokens,
@@ -295,7 +296,7 @@ class PPO(RLObjective):
       total = (
           total - self.ppo.entropy_coef * policy_gradient.aggregate(entropy, mask, self.agg_mode, self.max_new_tokens)[0]
       )
-    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, frozen, self.agg_mode)
+    teacher_total, teacher_metrics = self.teacher_kl(logits, batch, index, frozen, self.agg_mode)
     mean_mode = "token-mean" if self.agg_mode == "token-mean" else "seq-mean-token-mean"
     metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
     return LossOutput(total + teacher_total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import partitioning as nn_partitioning
 from jax.experimental import multihost_utils
 
 from maxtext_posttrain import config as config_lib
@@ -48,13 +49,18 @@ REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and
 
 
 def training_rows(
-    prompts: list[list[int]], completions: list[list[int]], logprobs: list[np.ndarray] | None, length: int
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[np.ndarray] | None,
+    length: int,
+    window: int | None = None,
 ) -> dict[str, np.ndarray]:
   """[N, length] rows of prompt + completion, next-token shifted, with the sampler's log-probs on the targets.
 
   Row i holds prompt_i + completion_i without its last token as inputs; `completion_mask` is 1 where the target is
   a completion token, and `old_logps` there is the sampler's log-prob of that token (no `old_logps` without
-  `logprobs`: completions nobody sampled). Padding has segment id 0.
+  `logprobs`: completions nobody sampled). Padding has segment id 0. With `window` (the losses' `completion_index`
+  width), each completion and the `window` positions from its start must fit in the row.
   """
   rows = {key: np.zeros((len(prompts), length), np.int32) for key in ROW_KEYS[:5]}
   if logprobs is not None:
@@ -71,14 +77,19 @@ def training_rows(
     rows["positions"][i] = np.arange(length)
     rows["segmentation"][i, :n] = 1
     start = len(prompt) - 1
+    if window is not None and (len(completion) > window or start + window > length):
+      raise ValueError(f"Row {i}: a {len(completion)}-token completion at {start} leaves a {window}-token window.")
     rows["completion_mask"][i, start : start + len(completion)] = 1
     if logprobs is not None:
       rows["old_logps"][i, start : start + len(completion)] = logprobs[i][: len(completion)]
   return rows
 
 
-def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, num_pieces=None, enable_dropout=False):
-  """([N, L] log-probs of the rows' targets under softmax(logits / T), the [N, L, V] tempered logits)."""
+def token_logps(
+    model, batch: dict[str, jax.Array], temperature: jax.Array, num_pieces=None, enable_dropout=False, logit_index=None
+):
+  """([N, L] log-probs of the rows' targets under softmax(logits / T), the [N, L, V] tempered logits); at
+  `logit_index`'s [N, W] positions only when given ([N, W], [N, W, V])."""
   return forward.token_logps(
       model,
       batch["inputs"],
@@ -88,7 +99,21 @@ def token_logps(model, batch: dict[str, jax.Array], temperature: jax.Array, num_
       temperature,
       num_pieces,
       enable_dropout,
+      logit_index,
   )
+
+
+def completion_index(batch: dict[str, jax.Array], width: int) -> jax.Array:
+  """[N, width] positions of each row's completion window: `width` (max_new_tokens) positions from its first
+  completion target on (a row without one: from 0). The policy losses and the reference read the LM head there only,
+  so the prompt's logits are never computed; `training_rows(window=width)` checks that the window fits."""
+  start = jnp.argmax(batch["completion_mask"], axis=1).astype(jnp.int32)
+  return start[:, None] + jnp.arange(width, dtype=jnp.int32)
+
+
+def at_index(rows: jax.Array, index: jax.Array) -> jax.Array:
+  """[N, W] the values of [N, L] `rows` at `index`'s positions."""
+  return jnp.take_along_axis(rows, index, axis=1)
 
 
 def reward_model_role(config) -> roles.RoleSpec:
@@ -355,20 +380,27 @@ class RLObjective(Objective):
     return pipeline.local_rows(scores).astype(np.float32)
 
   def target_logps(self, model, batch: dict[str, jax.Array], temperature: jax.Array) -> jax.Array:
-    """[N, L] log-probs of the targets under a model of the policy's kind: the reference's, or the old policy's."""
-    return token_logps(model, batch, temperature, self.num_pieces)[0]
+    """[N, L] log-probs of the targets under a model of the policy's kind (the reference's, or the old policy's),
+    computed on the completion windows (0 elsewhere)."""
+    index = completion_index(batch, self.max_new_tokens)
+    logps = token_logps(model, batch, temperature, self.num_pieces, logit_index=index)[0]
+    rows = jnp.arange(index.shape[0])[:, None]
+    out = jnp.zeros(batch["targets"].shape, jnp.float32).at[rows, index].set(logps)
+    # Laid out as the batch's columns are (a fresh array's layout would be replicated), for the train step's inputs.
+    return nn_partitioning.with_sharding_constraint(out, tuple(self.config.input_data_sharding_logical_axes))
 
   def teacher_kl(
-      self, logits: jax.Array, batch: dict[str, jax.Array], frozen, agg_mode: str
+      self, logits: jax.Array, batch: dict[str, jax.Array], index: jax.Array, frozen, agg_mode: str
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(`rl.teacher_kl_coef` x the aggregated per-token KL(policy || teacher), {"teacher_kl": its token-mean or
-    sequence-mean numerator}) on the completion tokens; (0, {}) without the term. `logits` are the policy's, tempered
-    and masked as `token_logps` gives them; the teacher's are treated alike, so both are the sampled distributions."""
+    sequence-mean numerator}) on the completion tokens; (0, {}) without the term. `logits` are the policy's at
+    `index` (`completion_index`), tempered and masked as `token_logps` gives them; the teacher's are read alike, so
+    both are the sampled distributions."""
     if not self.rl.teacher_kl_coef:
       return jnp.zeros((), jnp.float32), {}
-    teacher = token_logps(frozen[roles.TEACHER], batch, self.sampling.temperature, self.num_pieces)[1]
+    teacher = token_logps(frozen[roles.TEACHER], batch, self.sampling.temperature, self.num_pieces, logit_index=index)[1]
     kl = distillation.token_divergence(logits, teacher, "reverse_kl")
-    mask = batch["completion_mask"]
+    mask = at_index(batch["completion_mask"], index)
     total = policy_gradient.aggregate(kl, mask, agg_mode, self.max_new_tokens)[0]
     mean_mode = "token-mean" if agg_mode == "token-mean" else "seq-mean-token-mean"
     return self.rl.teacher_kl_coef * total, {"teacher_kl": policy_gradient.aggregate(kl, mask, mean_mode)[0]}

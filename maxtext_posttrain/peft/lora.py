@@ -34,6 +34,7 @@ from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
 
 from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import forward
 from maxtext_posttrain import layer_transfer
 
 _LISTED = 8
@@ -319,7 +320,7 @@ def load_like(path: str, tree: nnx.State, config) -> nnx.State:
 def _pretrained_with_adapters(config, mesh) -> nnx.Module:
   """MaxText's `from_pretrained` model with qwix adapters (and under QLoRA its base quantized), applied under the
   mesh and logical axis rules, since qwix traces the model once."""
-  model = model_creation_utils.from_pretrained(config, mesh)
+  model = forward.with_lm_head(model_creation_utils.from_pretrained(config, mesh))
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
     return apply(model, config)
 
@@ -330,7 +331,7 @@ def pretrained_model(config, mesh) -> nnx.Module:
   and sample commands decode and what a precomputing reference scores with."""
   validate_config(config)
   if not config.lora.lora_restore_path:
-    return model_creation_utils.from_pretrained(config, mesh)
+    return forward.with_lm_head(model_creation_utils.from_pretrained(config, mesh))
   model = _pretrained_with_adapters(config, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # as a training state's adapters are
   nnx.update(model, starting_adapters(jax.device_put(nnx.state(model, nnx.LoRAParam), replicated), config))
