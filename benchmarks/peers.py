@@ -93,7 +93,6 @@ from maxtext.optimizers import optimizers as maxtext_optimizers
 from benchmarks import harness
 from maxtext_posttrain import rollout
 from maxtext_posttrain import trainer
-from maxtext_posttrain.peft import lora
 
 NO_EOS = -1  # a stop id no sampler draws: every row decodes all its new tokens
 MISSING_TUNIX = "run `make peers-env` and use `.venv-peers/bin/python -m benchmarks.peers`"
@@ -227,7 +226,7 @@ class Ours:
     }
 
   def sample(self, prompts: list[list[int]], num_samples: int, new_tokens: int, seed: int) -> float:
-    params = lora.policy_params(self.loop.policy(), self.config)
+    params = self.loop.policy_params()
 
     def run():
       out = self.sampler.sample(

@@ -8,7 +8,6 @@ instead (`maxtext_posttrain.evaluate`).
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
-from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import math as math_rewards
 
 
@@ -26,7 +25,7 @@ def greedy_answer_accuracy(loop, num_examples: int) -> dict[str, float]:
     loop.cache["greedy_eval"] = (encoder, prompt_set)
   encoder, prompt_set = loop.cache["greedy_eval"]
   outputs = loop.sampler().generate(
-      lora.policy_params(loop.policy(), config),
+      loop.policy_params(),
       [list(ids) for ids in prompt_set.prompt_ids],
       config_lib.max_new_tokens(config),
       encoder.tokenizer.eos_id,

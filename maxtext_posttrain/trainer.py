@@ -64,6 +64,14 @@ class Loop:
     """The policy model with the current weights (shares the arrays of its state, no copy)."""
     return self.trained[roles_lib.POLICY].model()
 
+  def policy_params(self) -> nnx.State:
+    """The policy's current weights as MaxText's decode graphs read them (`lora.policy_params`). Without adapters
+    they are read off the train state: building the model around the whole train state first took 3.3 ms of host
+    time per rollout at the tiny GRPO size, against 0.1 ms (the same arrays, no copy)."""
+    if lora.enabled(self.config):
+      return lora.policy_params(self.policy(), self.config)
+    return self.trained[roles_lib.POLICY].state.model.filter(lora.DECODED)
+
   def role(self, name: str) -> roles_lib.FrozenModel:
     """A frozen role; under LoRA the reference is the current policy with its starting adapters."""
     if name not in self.frozen:

@@ -40,7 +40,6 @@ from maxtext_posttrain.data import prompts as prompts_lib
 from maxtext_posttrain.losses import distillation
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.base import Objective, ObjectiveData
-from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import shaping
 
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", "old_logps", "advantages")
@@ -311,7 +310,7 @@ class RLObjective(Objective):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.rl.sampling_seed), step), round_index)
     started = time.perf_counter()
     pending = loop.sampler().start(
-        lora.policy_params(loop.policy(), self.config),
+        loop.policy_params(),
         [list(self.train_prompts.prompt_ids[i]) for i in indices],
         self.max_new_tokens,
         self.encoder.tokenizer.eos_id,
@@ -414,7 +413,7 @@ class RLObjective(Objective):
   def evaluate(self, loop) -> dict[str, float]:
     if self.eval_prompts is None:
       return {}
-    params = lora.policy_params(loop.policy(), self.config)
+    params = loop.policy_params()
     metrics, samples = evaluate_lib.evaluate(loop.sampler(), params, self.eval_prompts, self.config, self.encoder)
     loop.cache["generations"] = samples
     loop.cache.setdefault("evaluations", {})[loop.step] = samples  # with per-prompt scores, for paired comparisons

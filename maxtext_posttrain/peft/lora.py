@@ -275,12 +275,15 @@ def merged_params(model: nnx.Module, config) -> dict:
   return params
 
 
+# A full-weight model's weights that MaxText's decode graphs read: its params without distillation's feature map.
+DECODED = nnx.All(nnx.Param, nnx.Not(layer_transfer.FeatureProjection))
+
+
 def policy_params(model: nnx.Module, config) -> nnx.State:
   """The policy's weights as a model without adapters holds them, which is what MaxText's decode graphs (the
-  rollout sampler, generation eval) read: `nnx.state(model, nnx.Param)` without distillation's learned feature map,
-  or under (Q)LoRA the merged weights."""
+  rollout sampler, generation eval) read: `nnx.state(model, DECODED)`, or under (Q)LoRA the merged weights."""
   if not enabled(config):
-    return nnx.state(model, nnx.All(nnx.Param, nnx.Not(layer_transfer.FeatureProjection)))
+    return nnx.state(model, DECODED)
   # Each merged weight keeps its variable's metadata (sharding names, scan axis), which decoding relies on; a
   # QLoRA kernel takes that of its quantized codes, which have the kernel's shape and axes.
   variables = dict(nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
