@@ -3,13 +3,15 @@ same tokens, model and mesh.
 
 A GRPO step samples G completions for each of B prompts (MaxText decoding with the KV cache), scores them, runs the
 frozen reference's forward over the B x G rows (when rl.grpo_beta > 0), then the policy's forward and backward over
-the same rows. The train part does what a pretraining step does on those rows, plus the clipped-ratio loss and an
-entropy over the vocabulary, so FLOPs predict train / pretraining = 1. Both steps are jitted by MaxText's
-`train_utils.jit_train_step` with the same state shardings and donation and run one after the other on each rollout
-batch in one process, the one that goes first alternating, and `train_ratio` is the median of the rounds' ratios; the
-pretraining batch is the GRPO rows themselves (prompt + completion tokens, with their positions and segment ids).
+the same rows. The train part does what a pretraining step does on those rows, except that the LM head and the
+softmax run on the completion positions only (`rl_base.completion_index`), plus the clipped-ratio loss and an entropy
+there; `train_flops_ratio` is the two compiled programs' FLOP ratio, the prediction for `train_ratio`. Both steps
+are jitted by MaxText's `train_utils.jit_train_step` with the same state shardings and donation and run one after the
+other on each rollout batch in one process, the one that goes first alternating, and `train_ratio` is the median of
+the rounds' ratios; the pretraining batch is the GRPO rows themselves (prompt + completion tokens, with their
+positions and segment ids).
 Prints and writes JSON rows `{objective, step_time_s, rollout_time_s, reward_time_s, reference_time_s, train_time_s,
-pretrain_step_time_s, train_ratio}`.
+pretrain_step_time_s, train_ratio, train_flops_ratio}`.
 
   python -m benchmarks.grpo_vs_pretrain [grpo.yml] [key=value ...] [--repeats=N] [--output=path.json]
 """
@@ -77,6 +79,12 @@ def main(argv):
       if repeat >= 0:
         for part in ("rollout", "reward", "reference"):
           times[part].append(metrics.get(f"rl/{part}_seconds", 0.0))
+    # The two programs' FLOPs as XLA counts them (compiled again, not run), the prediction the times are set against.
+    flops = {
+        "train": loop.primary.p_train_step.lower(state, batch, {}),
+        "pretrain": p_pretrain_step.lower(state, pretraining_batch(batch)),
+    }
+    flops = {part: lowered.compile().cost_analysis()["flops"] for part, lowered in flops.items()}
   row = {"objective": f"{config.posttrain_mode} (G={config.rl.num_generations}, beta={config.rl.grpo_beta})"}
   for part in ("rollout", "reward", "reference", "train"):
     row[f"{part}_time_s"] = statistics.median(times[part])
@@ -84,10 +92,13 @@ def main(argv):
   row["pretrain_step_time_s"] = statistics.median(times["pretrain"])
   # Each round times both steps on the same rows: the median of the rounds' ratios pairs them.
   row["train_ratio"] = statistics.median(t / p for t, p in zip(times["train"], times["pretrain"]))
+  row["train_flops_ratio"] = flops["train"] / flops["pretrain"]
   row["completion_tokens_mean"] = metrics["rl/completion_length_mean"]
   loop.primary.state = state
   printed = ("objective", "step_time_s", "rollout_time_s", "reward_time_s", "reference_time_s", "train_time_s")
-  harness.write_row(row, loop, repeats, times, output, (*printed, "pretrain_step_time_s", "train_ratio"))
+  harness.write_row(
+      row, loop, repeats, times, output, (*printed, "pretrain_step_time_s", "train_ratio", "train_flops_ratio")
+  )
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def test_grpo_vs_pretrain_splits_the_step_into_rollout_reference_and_train(tmp_p
   assert min(row[f"{part}_time_s"] for part in ("rollout", "reward", "reference", "train")) > 0
   paired = [t / p for t, p in zip(row["step_times_s"]["train"], row["step_times_s"]["pretrain"])]
   assert row["train_ratio"] == (paired[0] + paired[1]) / 2  # the median of the rounds' ratios
+  assert 0.5 < row["train_flops_ratio"] < 1  # the LM head on the completions only
 
 
 def test_rollouts_ahead_times_both_ways_on_a_split_of_four_devices(tmp_path, tfds_dir):
