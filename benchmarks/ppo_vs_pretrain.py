@@ -4,9 +4,11 @@ parts against MaxText's pretraining step on the same tokens, model and mesh, wit
 A PPO step samples G completions for each of B prompts (MaxText decoding with the KV cache), scores them, runs the
 frozen reference's forward and the critic's forward over the B x G rows, then the policy's forward and backward
 and the critic's forward and backward over the same rows (one minibatch, one epoch). The policy's train step does
-what a pretraining step does on those rows plus the clipped-ratio loss and an entropy, so FLOPs predict it at 1x
-pretraining; the critic is the same decoder without the LM head's projection (its scalar head reads the final
-hidden state; XLA drops the unused logits), so FLOPs predict it at 1 - (LM head share of the pretraining FLOPs).
+what a pretraining step does on those rows, except that its LM head runs on the completion positions only
+(max_new_tokens of max_target_length: `rl_base.completion_index`), plus the clipped-ratio loss and an entropy there,
+so FLOPs predict it at 1 - (LM head share of the pretraining FLOPs) x (the prompt's share of the positions); the
+critic is the same decoder without the LM head's projection (its scalar head reads the final hidden state; XLA drops
+the unused logits), so FLOPs predict it at 1 - (LM head share).
 Both train parts are measured by the loop's own per-role timing (`perf/<role>_train_seconds`); the pretraining step
 is MaxText's, jitted by MaxText with the same state shardings and donation, run alternately in one process on the
 PPO rows.
@@ -42,11 +44,13 @@ TRAIN_PARTS = ("policy_train", "critic_train")
 
 
 def flops_prediction(config) -> float:
-  """(policy train + critic train) / pretraining step, by FLOPs: 1 + (1 - the LM head's share of a training step)."""
+  """(policy train + critic train) / pretraining step, by FLOPs: (1 - head x prompt share) + (1 - head), with head
+  the LM head's share of a training step and prompt share the positions outside the completion window."""
   total, _, _ = maxtext_utils.calculate_tflops_training_per_device(config, log=False)
   tokens_per_device = config.per_device_batch_size * config.max_target_length
-  head = 6 * tokens_per_device * config.emb_dim * config.vocab_size / 1e12
-  return 2.0 - head / total
+  head = 6 * tokens_per_device * config.emb_dim * config.vocab_size / 1e12 / total
+  prompt_share = 1 - config_lib.max_new_tokens(config) / config.max_target_length
+  return 2.0 - head * prompt_share - head
 
 
 def fused_train_step(policy, critic):
