@@ -28,12 +28,10 @@ from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives.rl_base import ROW_FLOATS, ROW_KEYS, RLObjective, at_index, check_cycle, completion_index
-from maxtext_posttrain.objectives.rl_base import gathered, token_logps
+from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
 from maxtext_posttrain.objectives.rl_base import training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
-REFERENCE_KEY = "reference_logps"
 _ALGOS = {"grpo": "grpo", "gspo": "gspo", "gspo-token": "gspo_token"}
 
 
@@ -168,13 +166,11 @@ class GRPO(RLObjective):
     return pipeline.process_local_batch(rows, config, loop.mesh)
 
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
-    config, rl = self.config, self.rl
-    index = completion_index(batch, self.max_new_tokens)
-    dropout = config.enable_dropout and is_train
-    logps, logits = token_logps(model, batch, self.sampling.temperature, self.num_pieces, dropout, index)
-    mask = at_index(batch["completion_mask"], index)
-    old_logps = jax.lax.stop_gradient(logps) if rl.force_on_policy_ratio else at_index(batch["old_logps"], index)
-    advantages = batch["advantages"][:, 0] if self.algo == "gspo" else at_index(batch["advantages"], index)
+    rl = self.rl
+    logps, logits, index, window = self.policy_window(model, batch, is_train)
+    mask = window["completion_mask"]
+    old_logps = jax.lax.stop_gradient(logps) if rl.force_on_policy_ratio else window["old_logps"]
+    advantages = batch["advantages"][:, 0] if self.algo == "gspo" else window["advantages"]
     out = policy_gradient.policy_loss(
         logps,
         old_logps,
@@ -184,7 +180,7 @@ class GRPO(RLObjective):
         epsilon_low=rl.grpo_epsilon,
         epsilon_high=rl.epsilon_high,
         dual_clip=rl.dual_clip,
-        ref_logps=at_index(batch[REFERENCE_KEY], index) if REFERENCE_KEY in batch else None,
+        ref_logps=window.get(REFERENCE_KEY),
         beta=rl.grpo_beta,
         kl_estimator=rl.kl_estimator,
         agg_mode=self.agg_mode,

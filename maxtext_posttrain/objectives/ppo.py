@@ -31,12 +31,11 @@ from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
-from maxtext_posttrain.objectives.rl_base import REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
-from maxtext_posttrain.objectives.rl_base import at_index, completion_index, token_logps, training_rows
+from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective
+from maxtext_posttrain.objectives.rl_base import check_cycle, gathered, training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 CRITIC = "critic"
-REFERENCE_KEY = "reference_logps"
 KL_COEF_KEY = "kl_coef"
 PPO_KEYS = ROW_KEYS + ("returns", "old_values")
 
@@ -269,21 +268,19 @@ class PPO(RLObjective):
   def loss(self, model, batch: dict[str, jax.Array], is_train: bool, frozen=None) -> LossOutput:
     """The policy's clipped surrogate on GAE advantages (plus the KL term under ppo.kl_penalty=loss, minus the
     entropy bonus, plus the KL to the teacher under rl.teacher_kl_coef)."""
-    config, rl = self.config, self.rl
-    index = completion_index(batch, self.max_new_tokens)
-    dropout = config.enable_dropout and is_train
-    logps, logits = token_logps(model, batch, self.sampling.temperature, self.num_pieces, dropout, index)
-    mask = at_index(batch["completion_mask"], index)
+    rl = self.rl
+    logps, logits, index, window = self.policy_window(model, batch, is_train)
+    mask = window["completion_mask"]
     out = policy_gradient.policy_loss(
         logps,
-        at_index(batch["old_logps"], index),
-        at_index(batch["advantages"], index),
+        window["old_logps"],
+        window["advantages"],
         mask,
         algo="grpo",
         epsilon_low=rl.grpo_epsilon,
         epsilon_high=rl.epsilon_high,
         dual_clip=rl.dual_clip,
-        ref_logps=at_index(batch[REFERENCE_KEY], index) if REFERENCE_KEY in batch else None,
+        ref_logps=window.get(REFERENCE_KEY),
         kl_estimator=rl.kl_estimator,
         agg_mode=self.agg_mode,
         max_length=self.max_new_tokens,

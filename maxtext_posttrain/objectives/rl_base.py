@@ -45,6 +45,7 @@ from maxtext_posttrain.rewards import shaping
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", "old_logps", "advantages")
 ROW_FLOATS = ("old_logps", "advantages")  # float32 columns of the rows; the others are int32
 REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and its role
+REFERENCE_KEY = "reference_logps"  # the reference's log-probs: a column of the rows when the loss has a KL term
 
 
 def training_rows(
@@ -387,6 +388,16 @@ class RLObjective(Objective):
     out = jnp.zeros(batch["targets"].shape, jnp.float32).at[rows, index].set(logps)
     # Laid out as the batch's columns are (a fresh array's layout would be replicated), for the train step's inputs.
     return nn_partitioning.with_sharding_constraint(out, tuple(self.config.input_data_sharding_logical_axes))
+
+  def policy_window(self, model, batch: dict[str, jax.Array], is_train: bool):
+    """(the policy's [N, W] log-probs and [N, W, V] tempered logits on each row's completion window, the window's
+    positions `completion_index`, the rows' per-token columns there: completion_mask, old_logps, advantages and the
+    reference's log-probs when the batch has them): what the policy losses read."""
+    index = completion_index(batch, self.max_new_tokens)
+    dropout = self.config.enable_dropout and is_train
+    logps, logits = token_logps(model, batch, self.sampling.temperature, self.num_pieces, dropout, index)
+    columns = ("completion_mask", "old_logps", "advantages", REFERENCE_KEY)
+    return logps, logits, index, {key: at_index(batch[key], index) for key in columns if key in batch}
 
   def teacher_kl(
       self, logits: jax.Array, batch: dict[str, jax.Array], index: jax.Array, frozen, agg_mode: str
