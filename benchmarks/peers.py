@@ -40,8 +40,9 @@ Differences that cannot be removed (each is how the library works):
 - Vocabulary padding: where vocab_size runs past the tokenizer's pieces (the tiny config: 1024 over 512), ours masks
   the logits of ids the tokenizer cannot decode; Tunix samples over the whole vocabulary.
 - The LM head in the train step and the reference: ours computes the logits of each row's completion positions only
-  (`rl_base.completion_index`); Tunix computes every position's and slices the completion's before its log-softmax,
-  so ours runs fewer FLOPs there (the head's share of the model times the prompt's share of the row).
+  (`rl_base.completion_index`); Tunix computes every position's and slices the completion's before its log-softmax
+  (`get_per_token_logps` in tunix/rl/common.py), so ours runs fewer FLOPs there (the head's share of the model times
+  the prompt's share of the row).
 - Numerics that cost the same: MaxText's initialisers against Tunix's (its MLP kernels start at zero), and Tunix's
   Llama3 applies RoPE at timescale 1e6 whatever its config says (ours: `rope_max_timescale`); the weights and
   logits differ, the FLOPs do not.
