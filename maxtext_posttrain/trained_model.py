@@ -99,8 +99,12 @@ def _loss_and_grads(loss_fn, config, model, params_shardings, batch, frozen, tra
 
 
 def _frozen_models(frozen_graphdefs: dict[str, nnx.GraphDef], frozen_states: dict[str, nnx.State]):
-  """A function building the in-step frozen roles' models, by name, from their (traced) states."""
-  return lambda: {name: nnx.merge(graphdef, frozen_states[name]) for name, graphdef in frozen_graphdefs.items()}
+  """A function building the in-step frozen roles' models, by name, from their (traced) states. Each call makes
+  fresh variables at the caller's trace level (`copy=True`): MaxText's unscanned decoder writes its layers' state
+  back as it runs, which flax refuses on variables of the enclosing jit's level (TraceContextError)."""
+  return lambda: {
+      name: nnx.merge(graphdef, frozen_states[name], copy=True) for name, graphdef in frozen_graphdefs.items()
+  }
 
 
 # 1.0 for a step whose loss or gradient norm was NaN or infinite (under nonfinite_policy=skip it left the state as it was).

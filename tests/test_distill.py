@@ -183,6 +183,34 @@ def test_command_line_keys_are_the_students_as_in_maxtext(make_config, deep_sft_
   assert (teacher.mlp_dim, teacher.num_decoder_layers) == (512, run_utils.DEEP_SFT_LAYERS)
 
 
+def test_an_unscanned_teacher_runs_inside_the_train_step(make_config, tmp_path):
+  """Student and teacher with MaxText's unscanned decoder (which writes its layers' state back as it runs), the
+  teacher built from the student's own starting checkpoint: inside the jitted step the teacher's logits are the
+  student's at step 0 (no divergence, full top-1 agreement), and the student moves away from them at step 1."""
+  unscanned = ("scan_layers=false", "eval_interval=0", "async_checkpointing=false")
+  run_utils.run(make_config(*unscanned, "steps=1", "checkpoint_period=1", run_name="start"))
+  start = tmp_path / "start" / "checkpoints" / "0" / "items"
+  metrics_file = tmp_path / "distill.jsonl"
+  overrides = ("teacher_overrides.scan_layers=false", "teacher_overrides.base_num_decoder_layers=2")
+  run_utils.run(
+      make_config(
+          *unscanned,
+          *overrides,
+          f"load_parameters_path={start}",
+          f"teacher_overrides.load_parameters_path={start}",
+          "steps=2",
+          "learning_rate=1e-3",
+          "enable_checkpointing=false",
+          f"metrics_file={metrics_file}",
+          config_file="distill.yml",
+          run_name="distill",
+      )
+  )
+  rows = run_utils.rows(metrics_file)
+  assert abs(rows[0]["learning/divergence"]) < 1e-6 and rows[0]["learning/top1_agreement"] == 1.0, rows[0]
+  assert rows[1]["learning/divergence"] > 1e-4, rows[1]
+
+
 def test_bad_distillation_settings_fail_at_start_naming_them(make_config, deep_sft_checkpoint, sft_checkpoint):
   with pytest.raises(ValueError, match=r"set teacher_overrides.load_parameters_path"):
     trainer.setup(make_config(config_file="distill.yml"))

@@ -30,9 +30,9 @@ TIMEOUT = 300  # seconds per job; a hang fails the test instead of the suite
 # outside it, and the device threads enter them in different orders (one waits in an all-gather over devices 0-1,
 # another in an all-reduce over 0-3; XLA aborts after 40 s: "Termination timeout for `all gather RendezvousKey...`.
 # Exiting to ensure a consistent program state"). Measured with DPO's reference run, two at a time: 5 aborts in 17
-# runs scanned, none in 12 unscanned. A TPU runs a program's collectives in program order. SFT and distillation stay
-# scanned: the distillation teacher (SFT's checkpoint) cannot run unscanned as a frozen role (MaxText's unscanned
-# decoder updates its layers' state inside the step's trace: flax TraceContextError).
+# runs scanned, none in 12 unscanned. A TPU runs a program's collectives in program order. SFT and distillation run
+# scanned (MaxText's default), so the multi-process jobs cover both layouts; the distillation teacher is SFT's
+# checkpoint.
 UNSCANNED = "scan_layers=false"
 
 # Per objective: the bundled config and the keys that make it a few-second run on random weights. RL rewards use a
