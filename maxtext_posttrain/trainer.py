@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -54,6 +55,7 @@ class Loop:
   nonfinite_steps: int = 0  # steps skipped under nonfinite_policy=skip, over the whole run (saved with checkpoints)
   cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # objective-owned objects
   _sampler: rollout.Sampler | None = None
+  _merge: Callable[[nnx.State], nnx.State] | None = None  # the policy's adapter merge, compiled once (`policy_params`)
 
   @property
   def primary(self) -> trained_model.TrainedModel:
@@ -67,9 +69,12 @@ class Loop:
   def policy_params(self) -> nnx.State:
     """The policy's current weights as MaxText's decode graphs read them (`lora.policy_params`). Without adapters
     they are read off the train state (the same arrays, no copy) rather than from a model built around the whole
-    train state, optimizer included, at every rollout; merging adapters needs the model."""
+    train state, optimizer included, at every rollout; adapters are merged by one program compiled for the run."""
     if lora.enabled(self.config):
-      return lora.policy_params(self.policy(), self.config)
+      graphdef, state = nnx.split(self.policy())
+      if self._merge is None:
+        self._merge = lora.merge_program(graphdef, self.config)
+      return self._merge(state)
     return self.trained[roles_lib.POLICY].state.model.filter(lora.DECODED)
 
   def role(self, name: str) -> roles_lib.FrozenModel:

@@ -366,8 +366,9 @@ def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_c
 
 
 def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
-  """GRPO with lora.enable_lora=true: rollouts sample the merged policy, the KL reference is the policy with its
-  adapters off (no second copy), only adapters train, and the reward still rises."""
+  """GRPO with lora.enable_lora=true: rollouts sample the merged policy (merged by one program, compiled once for
+  the 30 rollouts), the KL reference is the policy with its adapters off (no second copy), only adapters train, and
+  the reward still rises."""
   config = make_config(
       *TINY, *CHARACTERS, "lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "rl.grpo_beta=0.01",
       "per_device_batch_size=4", "learning_rate=3e-2", "steps=30", "eval_interval=0",
@@ -379,6 +380,7 @@ def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
   base = frozen()
   trainer.train(loop)
   jax.tree.map(np.testing.assert_array_equal, frozen(), base)
+  assert loop._merge._cache_size() == 1  # pylint: disable=protected-access
   rows = _metrics(tmp_path / "metrics.jsonl")
   rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
   assert rows[0]["learning/kl"] < 1e-8 < rows[29]["learning/kl"]

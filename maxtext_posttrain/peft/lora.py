@@ -14,6 +14,7 @@ the reference role and the decode commands: MaxText's own restore matches stored
 does not find, so adapters of other target modules would load partly or not at all without an error.
 """
 
+from collections.abc import Callable
 import re
 
 import jax
@@ -284,16 +285,28 @@ def policy_params(model: nnx.Module, config) -> nnx.State:
   rollout sampler, generation eval) read: `nnx.state(model, DECODED)`, or under (Q)LoRA the merged weights."""
   if not enabled(config):
     return nnx.state(model, DECODED)
-  # Each merged weight keeps its variable's metadata (sharding names, scan axis), which decoding relies on; a
-  # QLoRA kernel takes that of its quantized codes, which have the kernel's shape and axes.
-  variables = dict(nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
-  merged = nnx.traversals.flatten_mapping(merged_params(model, config))
-  return nnx.from_flat_state(
-      {
-          path: variables.get(path, variables.get((*path, "array", "qvalue"))).replace(value)
-          for path, value in merged.items()
-      }
-  )
+  graphdef, state = nnx.split(model)
+  return merge_program(graphdef, config)(state)
+
+
+def merge_program(graphdef: nnx.GraphDef, config) -> Callable[[nnx.State], nnx.State]:
+  """`policy_params` of a (Q)LoRA model of `graphdef`, compiled as one function of the model's state, for callers
+  that merge at every rollout (RL): merged op by op, the adapters cost more host time than the rollout's decode."""
+
+  def merge(state: nnx.State) -> nnx.State:
+    model = nnx.merge(graphdef, state)
+    # Each merged weight keeps its variable's metadata (sharding names, scan axis), which decoding relies on; a
+    # QLoRA kernel takes that of its quantized codes, which have the kernel's shape and axes.
+    variables = dict(nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    merged = nnx.traversals.flatten_mapping(merged_params(model, config))
+    return nnx.from_flat_state(
+        {
+            path: variables.get(path, variables.get((*path, "array", "qvalue"))).replace(value)
+            for path, value in merged.items()
+        }
+    )
+
+  return jax.jit(merge)
 
 
 def starting_adapters(adapters: nnx.State, config) -> nnx.State:
