@@ -291,7 +291,7 @@ def policy_params(model: nnx.Module, config) -> nnx.State:
 
 def merge_program(graphdef: nnx.GraphDef, config) -> Callable[[nnx.State], nnx.State]:
   """`policy_params` of a (Q)LoRA model of `graphdef`, compiled as one function of the model's state, for callers
-  that merge at every rollout (RL): merged op by op, the adapters cost more host time than the rollout's decode."""
+  that merge at every rollout (RL): one dispatch per merge instead of one per operation on each adapted kernel."""
 
   def merge(state: nnx.State) -> nnx.State:
     model = nnx.merge(graphdef, state)
