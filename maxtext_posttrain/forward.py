@@ -2,10 +2,17 @@
 
 Every objective and role reads a model through these functions, so there is one place that knows how MaxText's
 model is called. A role with a scalar head (a PPO critic, a reward model) is MaxText's own model with one extra
-[emb_dim, 1] projection, `scalar_head`, attached beside its LM head: the value at a position is that projection of
-the decoder's final hidden state, normalised by MaxText's own final norm, exactly the vector the LM head reads. The
-decoder is MaxText's; nothing of it is re-implemented. Parameter paths stay MaxText's (plus `scalar_head/kernel`),
-so a policy checkpoint loads into a critic's decoder and `load_parameters_path` reads scalar-head checkpoints.
+[emb_dim, 1] projection, `scalar_head`: the value at a position is that projection of the decoder's final hidden
+state, normalised by MaxText's own final norm, exactly the vector the LM head reads. The decoder is MaxText's;
+nothing of it is re-implemented. Parameter paths stay MaxText's (plus `scalar_head/kernel`), so a policy checkpoint
+loads into a critic's decoder and `load_parameters_path` reads scalar-head checkpoints.
+
+A scalar-head model has no LM head's output projection: where MaxText's model has its own
+(`logits_via_embedding=false`), its `decoder.logits_dense` is replaced by `NoOutputProjection`, which holds no weights. MaxText's decoder still calls it
+(the decoder computes logits on every call) and gets zeros that nothing reads, which XLA drops: the values are the
+same, while the role's weights, gradients, optimizer moments and checkpoints leave out vocab x emb_dim parameters
+(0.53B for llama3.1-8b). A checkpoint holding the projection (a policy's) still loads into a scalar-head model
+(`without_output_projection`). With tied embeddings the embedding table is also the decoder's input, and stays.
 
 A role with an LM head can compute its logits at chosen positions only (`logit_index`): an RL or preference loss
 reads the completion's tokens, so the LM head, its float32 logits and their softmax skip the prompt (the decoder's
@@ -82,11 +89,32 @@ def with_lm_head(model: nnx.Module) -> nnx.Module:
   return model
 
 
+class NoOutputProjection(nnx.Module):
+  """Stands in for MaxText's output projection (`decoder.logits_dense`) in a scalar-head model: no weights, and the
+  [..., vocab] logits MaxText's decoder computes as zeros, which no caller reads and XLA drops."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    del out_sharding
+    return jnp.zeros((*inputs.shape[:-1], self.vocab_size), jnp.float32)
+
+
+def without_output_projection(params: dict) -> dict:
+  """A checkpoint's params dict without MaxText's output projection, which a scalar-head model does not hold."""
+  if "logits_dense" not in params.get("decoder", {}):
+    return params
+  return {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != "logits_dense"}}
+
+
 def attach_scalar_head(model: nnx.Module, config) -> nnx.Module:
   """`model` with a zero-initialised `scalar_head` (MaxText's DenseGeneral, emb_dim -> 1, kernel sharded like the
   embedding dimension), called for values instead of logits (as qwix retypes the models it wraps). Zeros make every
   value and reward 0 at the start, whatever the decoder: a fresh critic predicts nothing, and a fresh reward model
-  ranks every pair as a tie."""
+  ranks every pair as a tie. An untied output projection gives way to `NoOutputProjection`."""
+  if not config.logits_via_embedding:
+    model.decoder.logits_dense = NoOutputProjection(config.vocab_size)
   setattr(
       model,
       SCALAR_HEAD,

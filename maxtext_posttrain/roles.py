@@ -166,16 +166,18 @@ def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Mo
 def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.State:
   """`model_state` (a role's params, concrete) with the weights of the role's `load_parameters_path` read over it.
 
-  A scalar-head role reads the checkpoint's head when it has one; a trained role starting from a checkpoint without
-  one (a policy's) keeps its fresh head, while a frozen one refuses it (a reward model needs a trained head). The
-  stored shapes are compared with the model's first, so a checkpoint of another model fails naming the path and
-  the difference before anything loads. LoRA adapters and distillation's learned feature map are not read from it
-  (they start fresh).
+  A scalar-head role reads the checkpoint's head when it has one (and never an output projection: it has none); a
+  trained role starting from a checkpoint without a head (a policy's) keeps its fresh head, while a frozen one
+  refuses it (a reward model needs a trained head). The stored shapes are compared with the model's first, so a
+  checkpoint of another model fails naming the path and the difference before anything loads. LoRA adapters and
+  distillation's learned feature map are not read from it (they start fresh).
   """
   path = config.load_parameters_path
   wanted = model_state.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(layer_transfer.FeatureProjection)))
   stored = checkpoint_guard.stored_params(path)
   stored = {k: v for k, v in stored.items() if k != layer_transfer.PROJECTION}
+  if spec.head == "scalar":
+    stored = forward.without_output_projection(stored)
   if spec.head == "scalar" and not forward.has_scalar_head(stored):
     if not spec.trained:
       raise ValueError(

@@ -104,9 +104,10 @@ def test_peft_memory_counts_state_bytes_and_abstract_model_configs(tmp_path, tfd
   llama_full, llama_nf4 = rows["llama2-7b", "full"], rows["llama2-7b", "qlora_nf4_r8"]
   assert 6.7e9 < llama_full["model_parameters"] < 6.8e9 and llama_full["step_time_s"] is None
   assert llama_nf4["trainable_plus_optimizer_vs_full"] < 0.01 and 0.25 < llama_nf4["base_weight_vs_bf16"] < 0.3
-  # PPO's critic under LoRA trains its adapters and scalar head only, over a frozen bf16 base as large as the full one's
+  # PPO's critic holds no output projection (vocab x emb_dim) and has a scalar head (emb_dim x 1); under LoRA it trains
+  # its adapters and head only, over a frozen bf16 base as large as the full one's
   critic_full, critic_lora = rows["llama2-7b critic", "critic_full"], rows["llama2-7b critic", "critic_lora_r8"]
-  assert critic_full["model_parameters"] == llama_full["model_parameters"] + 4096  # the head: emb_dim x 1
+  assert critic_full["model_parameters"] == llama_full["model_parameters"] - 32000 * 4096 + 4096
   assert critic_lora["trainable_plus_optimizer_vs_full"] < 0.01 and critic_lora["base_weight_vs_bf16"] > 0.99
 
 

@@ -11,6 +11,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.utils import maxtext_utils
+from maxtext.utils import model_creation_utils
 from maxtext_posttrain import forward
 from maxtext_posttrain import roles
 from maxtext_posttrain import trainer
@@ -70,6 +71,32 @@ def test_the_value_of_a_token_is_read_at_the_position_before_it(make_config):
       )
     np.testing.assert_allclose(values[0, column], prefix[0, -1], rtol=1e-5, atol=1e-6)
     assert abs(float(values[0, column + 1]) - float(prefix[0, -1])) > 1e-4  # one position later reads the token too
+
+
+def test_a_critic_holds_no_output_projection_and_computes_maxtexts_values(make_config):
+  """A scalar-head model leaves out MaxText's (untied) output projection: its params lack `decoder/logits_dense`,
+  and its values equal the head applied to MaxText's own model's final normalised hidden state, computed by a plain
+  MaxText model (output projection included) holding the same weights."""
+  config = make_config(*TINY, config_file=PPO)
+  spec = roles.RoleSpec("critic", trained=False, head="scalar")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  init_model, _ = roles.model_initializer(config, spec, mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    critic = init_model()
+    plain = model_creation_utils.from_pretrained(config, mesh)  # the seeded init, MaxText's model as it builds it
+  params = nnx.state(critic, nnx.Param).to_pure_dict()
+  assert "logits_dense" not in params["decoder"] and "logits_dense" in nnx.state(plain, nnx.Param)["decoder"]
+  head = getattr(critic, forward.SCALAR_HEAD)
+  head.kernel.set_value(jax.random.normal(jax.random.key(1), head.kernel.shape))  # a head that reads something
+  nnx.update(plain, nnx.state(critic, nnx.Param).filter(nnx.Not(nnx.PathContains(forward.SCALAR_HEAD))))
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, config.vocab_size)
+  positions, segmentation = jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    values = forward.scalars(critic, tokens, positions, segmentation)
+    _, hidden, _ = plain.decoder(plain.token_embedder, tokens, positions, segmentation, deterministic=True)
+    normed = np.asarray(plain.decoder.decoder_norm(hidden), np.float64)
+  expected = normed @ np.asarray(head.kernel.get_value(), np.float64)[:, 0]
+  np.testing.assert_allclose(values, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
@@ -174,7 +201,8 @@ def test_non_finite_values_stop_the_step_naming_it(make_config, monkeypatch):
 
 def test_critic_checkpoints_beside_the_policy_and_keeps_the_policy_layout(make_config, tmp_path):
   """The policy's checkpoints stay at <run>/checkpoints (load_parameters_path and export read them); the critic's
-  are <run>/critic/checkpoints at the same steps, with MaxText's params plus the scalar head."""
+  are <run>/critic/checkpoints at the same steps, with MaxText's params less the output projection, plus the scalar
+  head."""
   config = make_config(
       *TINY, *CHARACTERS, "steps=2", "eval_interval=0", "enable_checkpointing=true", "checkpoint_period=1",
       "async_checkpointing=false", config_file=PPO,
@@ -189,6 +217,7 @@ def test_critic_checkpoints_beside_the_policy_and_keeps_the_policy_layout(make_c
   policy = checkpoint_guard.stored_params(str(run_dir / "checkpoints" / "1" / "items"))
   assert forward.has_scalar_head(critic) and not forward.has_scalar_head(policy)
   assert set(critic) - set(policy) == {forward.SCALAR_HEAD}
+  assert set(policy["decoder"]) - set(critic["decoder"]) == {"logits_dense"}
 
 
 def test_a_lora_critic_trains_its_adapters_and_head_over_a_frozen_base(make_config):
