@@ -70,8 +70,12 @@ def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
   (sharded,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), json.dumps(layout), "ppo.yml")
   assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
-  for key in ("losses", "value_losses", "kl", "explained_variance"):
+  for key in ("losses", "value_losses", "explained_variance"):
     np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  # The first step's KL is 0 up to float32 rounding: the sampler's and the reference's log-probs of the same weights
+  # come from two programs, and PPO sums their differences over each completion's tokens (on an Intel Xeon host:
+  # -3.0e-7 on 4 devices, -1.4e-6 on one).
+  np.testing.assert_allclose(sharded["kl"], single["kl"], rtol=1e-4, atol=1e-5, err_msg="kl")
 
 
 @pytest.mark.parametrize("config_file", ["grpo.yml", "ppo.yml"])
