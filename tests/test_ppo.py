@@ -43,19 +43,24 @@ def test_ppo_raises_a_learnable_reward_and_its_critic_explains_the_returns(make_
   assert explained[0] == 0.0 and np.mean(explained[-5:]) > 0.5, explained  # a fresh critic predicts nothing
 
 
+def _seeded_critic(config, mesh):
+  """The critic model of `config` at its seeded init, with a random head (a zero one would read nothing)."""
+  init_model, _ = roles.model_initializer(config, roles.RoleSpec("critic", trained=False, head="scalar"), mesh)
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    model = init_model()
+  head = getattr(model, forward.SCALAR_HEAD)
+  head.kernel.set_value(jax.random.normal(jax.random.key(1), head.kernel.shape))
+  return model
+
+
 def test_the_value_of_a_token_is_read_at_the_position_before_it(make_config):
   """Rows hold the whole sequence in `inputs`; the value paired with the completion token at column j (the target
   of column j) is the critic's output after reading the tokens up to column j, i.e. up to the token before it. A
   causal decoder's output at the last position of a prefix is its output at that position of the whole row, so
   each value equals the critic's output on the prefix ending right before its token, and not one position later."""
   config = make_config(*TINY, config_file=PPO)
-  spec = roles.RoleSpec("critic", trained=False, head="scalar")
   mesh = maxtext_utils.get_mesh_from_config(config)
-  init_model, _ = roles.model_initializer(config, spec, mesh)
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    model = init_model()
-  head = getattr(model, forward.SCALAR_HEAD)
-  head.kernel.set_value(jax.random.normal(jax.random.key(1), head.kernel.shape))  # a head that reads something
+  model = _seeded_critic(config, mesh)
   prompt, completion = [1, 40, 41, 42], [50, 51, 52, 2]
   rows = rl_base.training_rows([prompt], [completion], [np.zeros(4)], length=16)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
@@ -78,16 +83,13 @@ def test_a_critic_holds_no_output_projection_and_computes_maxtexts_values(make_c
   and its values equal the head applied to MaxText's own model's final normalised hidden state, computed by a plain
   MaxText model (output projection included) holding the same weights."""
   config = make_config(*TINY, config_file=PPO)
-  spec = roles.RoleSpec("critic", trained=False, head="scalar")
   mesh = maxtext_utils.get_mesh_from_config(config)
-  init_model, _ = roles.model_initializer(config, spec, mesh)
+  critic = _seeded_critic(config, mesh)
   with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
-    critic = init_model()
     plain = model_creation_utils.from_pretrained(config, mesh)  # the seeded init, MaxText's model as it builds it
   params = nnx.state(critic, nnx.Param).to_pure_dict()
   assert "logits_dense" not in params["decoder"] and "logits_dense" in nnx.state(plain, nnx.Param)["decoder"]
   head = getattr(critic, forward.SCALAR_HEAD)
-  head.kernel.set_value(jax.random.normal(jax.random.key(1), head.kernel.shape))  # a head that reads something
   nnx.update(plain, nnx.state(critic, nnx.Param).filter(nnx.Not(nnx.PathContains(forward.SCALAR_HEAD))))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, config.vocab_size)
   positions, segmentation = jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32)
