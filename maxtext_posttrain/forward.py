@@ -8,11 +8,12 @@ nothing of it is re-implemented. Parameter paths stay MaxText's (plus `scalar_he
 loads into a critic's decoder and `load_parameters_path` reads scalar-head checkpoints.
 
 A scalar-head model has no LM head's output projection: where MaxText's model has its own
-(`logits_via_embedding=false`), its `decoder.logits_dense` is replaced by `NoOutputProjection`, which holds no weights. MaxText's decoder still calls it
-(the decoder computes logits on every call) and gets zeros that nothing reads, which XLA drops: the values are the
-same, while the role's weights, gradients, optimizer moments and checkpoints leave out vocab x emb_dim parameters
-(0.53B for llama3.1-8b). A checkpoint holding the projection (a policy's) still loads into a scalar-head model
-(`without_output_projection`). With tied embeddings the embedding table is also the decoder's input, and stays.
+(`logits_via_embedding=false`), its `decoder.logits_dense` is replaced by `NoOutputProjection`, which holds no
+weights. MaxText's decoder still calls it (the decoder computes logits on every call) and gets zeros that nothing
+reads, which XLA drops: the values are the same, while the role's weights, gradients, optimizer moments and
+checkpoints leave out vocab x emb_dim parameters (0.53B for llama3.1-8b). A checkpoint holding the projection (a
+policy's) still loads into a scalar-head model (`without_output_projection`). With tied embeddings the embedding
+table is also the decoder's input, and stays.
 
 A role with an LM head can compute its logits at chosen positions only (`logit_index`): an RL or preference loss
 reads the completion's tokens, so the LM head, its float32 logits and their softmax skip the prompt (the decoder's

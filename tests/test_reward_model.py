@@ -97,8 +97,8 @@ def test_ppo_with_the_reward_model_starts_its_critic_from_it_and_is_rewarded_by_
   which decides the reward model itself: on an AMD EPYC host they did for rl.sampling_seed 0, 1 and 2 (+0.72, +1.47,
   +1.28); on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the critic's explained variance starting at
   -2.0 (its values, the reward model's scores of each prefix, explain the returns worse than a constant), while the
-  policy's critic (ppo.critic_init=policy) gained +0.72 at seed 0 and GRPO +0.87. PPO's learning is asserted by tests/test_ppo.py, GRPO's with this reward
-  model above."""
+  policy's critic (ppo.critic_init=policy) gained +0.72 at seed 0 and GRPO +0.87. PPO's learning is asserted by
+  tests/test_ppo.py, GRPO's with this reward model above."""
   config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "ppo.yml", 3e-4, steps=2)
   loop = trainer.setup(config)
   np.testing.assert_array_equal(
