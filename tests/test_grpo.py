@@ -257,6 +257,16 @@ def _reward_run(make_config, tmp_path, *overrides) -> tuple[list[float], dict[in
   return [rows[step]["rl/reward_mean"] for step in sorted(rows)], rows
 
 
+def test_the_loop_keeps_the_first_and_the_latest_evaluation_only(make_config):
+  """Evaluations every step: each logs its metrics, and the loop keeps the samples of the first and the latest only
+  (the demo's paired before/after comparison), not one set per evaluation."""
+  config = make_config(*TINY, *CHARACTERS, "steps=3", "eval_interval=1", "eval_generation_examples=2", config_file=GRPO)
+  loop, summary = run_utils.run(config)
+  assert sorted(summary["evals"]) == [0, 1, 2, 3], summary["evals"]
+  assert sorted(loop.cache["evaluations"]) == [0, 3]
+  assert loop.cache["evaluations"][3] is loop.cache["generations"]
+
+
 @pytest.mark.parametrize("mode, overrides", [("grpo", ()), ("gspo_token", ()), ("grpo", AHEAD)])
 def test_rl_raises_a_learnable_reward(make_config, tmp_path, mode, overrides):
   """Also with rollouts sampled one update ahead (rl.off_policy_steps=1): the ratio corrects for the lag."""

@@ -427,5 +427,10 @@ class RLObjective(Objective):
     params = loop.policy_params()
     metrics, samples = evaluate_lib.evaluate(loop.sampler(), params, self.eval_prompts, self.config, self.encoder)
     loop.cache["generations"] = samples
-    loop.cache.setdefault("evaluations", {})[loop.step] = samples  # with per-prompt scores, for paired comparisons
+    # The first and the latest evaluations' samples, with per-prompt scores, for paired comparisons (the demo's
+    # before/after table); those in between are dropped, so host memory does not grow with every evaluation.
+    evaluations = loop.cache.setdefault("evaluations", {})
+    evaluations[loop.step] = samples
+    for step in sorted(evaluations)[1:-1]:
+      del evaluations[step]
     return {f"eval/{name}": value for name, value in metrics.items()}
