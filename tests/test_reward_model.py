@@ -6,7 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import forward
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import preference as preference_data
@@ -31,10 +33,12 @@ def reward_model(tmp_path_factory, tfds_dir, deep_sft_checkpoint):
 def test_reward_model_prefers_held_out_chosen_solutions_nine_times_in_ten(reward_model):
   """A fresh (zero) head ties every pair (accuracy exactly 0.5, margin 0); after training the model prefers the
   worked solution to the plausible wrong one (a swapped, miscopied or slipped number) on at least 90% of 256
-  held-out pairs."""
+  held-out pairs. Its checkpoint holds the scalar head and, started from an SFT model's, no output projection."""
   evals = reward_model["summary"]["evals"]
   assert evals[0]["eval/accuracy"] == 0.5 and evals[0]["eval/margin"] == 0.0, evals[0]
   assert evals[RM_STEPS]["eval/accuracy"] >= 0.9 and evals[RM_STEPS]["eval/margin"] > 0, evals[RM_STEPS]
+  stored = checkpoint_guard.stored_params(str(reward_model["checkpoint"]))
+  assert forward.has_scalar_head(stored) and "logits_dense" not in stored["decoder"]
 
 
 NUM_PROMPTS = 16
