@@ -90,12 +90,14 @@ def tfds_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture
 def make_config(tmp_path, tfds_dir):
   """`make_config(key=value, ...)` -> a PostTrainConfig from a bundled config (sft.yml unless `config_file` names
-  another, or a yml path), writing under this test's tmp dir."""
+  another, or a yml path), writing under this test's tmp dir, on the first 2,000 training examples unless an
+  override names another train_split (`run_utils.SHORT_TRAIN_SPLIT`)."""
   from maxtext_posttrain import config as posttrain_config  # pylint: disable=import-outside-toplevel
+  from tests import run_utils  # pylint: disable=import-outside-toplevel
 
   def build(*overrides: str, config_file: str = "sft.yml", run_name: str = "run"):
     argv = ["", config_file, f"run_name={run_name}", f"base_output_directory={tmp_path}"]
-    argv += [f"dataset_path={tfds_dir}", *overrides]
+    argv += [f"dataset_path={tfds_dir}", run_utils.SHORT_TRAIN_SPLIT, *overrides]
     return posttrain_config.initialize(argv)
 
   return build

@@ -7,6 +7,12 @@ from maxtext_posttrain import trainer
 # Decoder layers of the session's deeper SFT model (conftest's deep_sft_checkpoint); the usual tiny model has 2.
 DEEP_SFT_LAYERS = 4
 
+# Every setup reads and tokenizes each example of its training split once (`split_pass`): about 2 s for the bundled
+# 20,000 problems on 2 cores, a good part of a short test. conftest's `make_config` reads their first 2,000 (a TFDS
+# slice; a few dozen steps use fewer), tests whose claim is learning read the whole split (WHOLE_TRAIN_SPLIT).
+SHORT_TRAIN_SPLIT = "train_split=train[:2000]"
+WHOLE_TRAIN_SPLIT = "train_split=train"
+
 
 def run(config):
   """(loop, summary) of a full run of `config`."""

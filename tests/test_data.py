@@ -15,6 +15,8 @@ from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import arithmetic_tfds
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts
+from maxtext_posttrain.data import sources
+from maxtext_posttrain.data import split_pass
 from maxtext_posttrain.rewards import math as math_rewards
 from tests.paths import GSM8K
 
@@ -77,11 +79,48 @@ def test_tfds_source_is_built_on_first_use(tmp_path, tfds_dir, small_config):
   assert stats.source == f"tfds:arithmetic_word_problems/easy[test] in {tfds_dir}"
 
 
+def test_tfds_splits_slice_and_fail_as_tfds_reads_them(tfds_dir, small_config):
+  """train_split/eval_split take TFDS's split syntax, as MaxText's TFDS pipeline passes them to TFDS."""
+  whole = sources.open_source(small_config(), train=True)
+  head = sources.open_source(small_config("train_split=train[:300]"), train=True)
+  assert len(head) == 300 and head[299] == whole[299]
+  assert head.description == f"tfds:arithmetic_word_problems/easy[train[:300]] in {tfds_dir}"
+  _, stats = pipeline.prepare_split(small_config("eval_interval=1", "eval_split=test[10%:20%]"), train=False)
+  assert stats.num_examples == 50
+  with pytest.raises(
+      ValueError, match=r"easy\[trian\] in .*: Unknown split 'trian'. Should be one of \['train', 'test'\]"
+  ):
+    sources.open_source(small_config("train_split=trian"), train=True)
+  with pytest.raises(ValueError, match=r"easy\[train\[:x\]\] in .*: Error parsing split 'train\[:x\]'.*[^\n]$"):
+    sources.open_source(small_config("train_split=train[:x]"), train=True)
+
+
+def test_a_block_read_returns_the_records_one_read_at_a_time_would(tmp_path, small_config):
+  """The setup pass reads records a block at a time (`RecordSource.read`), across JSONL files too."""
+  first, second = write_jsonl(tmp_path / "a.jsonl", ROWS[:3]), write_jsonl(tmp_path / "b.jsonl", ROWS[3:] + ROWS[:1])
+  for config in (small_config(), small_config("grain_file_type=jsonl", f"grain_train_files={first},{second}")):
+    source = sources.open_source(config, train=True)
+    indices = range(1, 5)
+    assert source.read(indices) == [source[index] for index in indices]
+
+
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, small_config):
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
   config = small_config("grain_file_type=jsonl", f"grain_train_files={path}")
   with pytest.raises(ValueError, match=f"{path}:2: malformed JSON"):
+    pipeline.prepare_split(config, train=True)
+
+
+def test_a_bad_line_in_a_later_block_is_named_and_counts_are_kept_in_order(tmp_path, small_config, monkeypatch):
+  """Blocks of 2 records: the same counts and fingerprint as one block, and a bad line in the third block is named."""
+  config = jsonl_config(small_config, tmp_path, ROWS)
+  _, stats = pipeline.prepare_split(config, train=True)
+  monkeypatch.setattr(split_pass, "READ_SIZE", 2)
+  assert pipeline.prepare_split(config, train=True)[1] == stats
+  path = tmp_path / "train.jsonl"
+  path.write_text(path.read_text() + "{not json\n" + json.dumps(ROWS[0]) + "\n")
+  with pytest.raises(ValueError, match=f"{path}:5: malformed JSON"):
     pipeline.prepare_split(config, train=True)
 
 

@@ -250,7 +250,7 @@ def _reward_run(make_config, tmp_path, *overrides) -> tuple[list[float], dict[in
   metrics_file = tmp_path / "metrics.jsonl"
   config = make_config(
       *TINY, "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
-      f"metrics_file={metrics_file}", *overrides, config_file=GRPO,
+      f"metrics_file={metrics_file}", run_utils.WHOLE_TRAIN_SPLIT, *overrides, config_file=GRPO,
   )  # fmt: skip
   run_utils.run(config)
   rows = _metrics(metrics_file)
@@ -382,7 +382,7 @@ def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
   config = make_config(
       *TINY, *CHARACTERS, "lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "rl.grpo_beta=0.01",
       "per_device_batch_size=4", "learning_rate=3e-2", "steps=30", "eval_interval=0",
-      f"metrics_file={tmp_path / 'metrics.jsonl'}", config_file=GRPO,
+      f"metrics_file={tmp_path / 'metrics.jsonl'}", run_utils.WHOLE_TRAIN_SPLIT, config_file=GRPO,
   )  # fmt: skip
   loop = trainer.setup(config)
   assert loop.frozen["reference"].follows_policy

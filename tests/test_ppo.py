@@ -33,7 +33,7 @@ def test_ppo_raises_a_learnable_reward_and_its_critic_explains_the_returns(make_
   config = make_config(
       *TINY, *CHARACTERS, "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
       "rl.grpo_beta=0", "ppo.gamma=0.9", "critic_overrides.learning_rate=0.003", f"metrics_file={metrics_file}",
-      config_file=PPO,
+      run_utils.WHOLE_TRAIN_SPLIT, config_file=PPO,
   )  # fmt: skip
   run_utils.run(config)
   rows = run_utils.rows(metrics_file)

@@ -146,6 +146,7 @@ def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(m
 def _preference_run(make_config, tmp_path, *overrides):
   """(eval before, eval after) of a seeded preference run on the bundled pairs (prompt + answer fit in 96 tokens)."""
   config = make_config(
+      run_utils.WHOLE_TRAIN_SPLIT,
       "enable_checkpointing=false",
       "eval_steps=8",
       "max_target_length=96",
@@ -225,7 +226,9 @@ def test_lora_reference_over_restored_adapters_is_the_starting_policy(make_confi
 
 
 def test_lora_reference_is_the_policy_with_adapters_off(make_config, tmp_path):
-  """Under LoRA no reference copy is built; the adapters-off policy gives log 2 at step 0 and training moves it."""
+  """Under LoRA no reference copy is built; the adapters-off policy gives log 2 at step 0, and the adapters' training
+  moves the loss off log 2 at every later step (a reference that followed the adapters would give log 2 throughout;
+  from random weights 10 steps do not yet lower it)."""
   metrics = tmp_path / "metrics.jsonl"
   config = make_config(
       "lora.enable_lora=true",
@@ -242,7 +245,7 @@ def test_lora_reference_is_the_policy_with_adapters_off(make_config, tmp_path):
   assert loop.frozen["reference"].follows_policy
   losses = run_utils.losses(metrics)
   np.testing.assert_allclose(losses[0], np.log(2.0), rtol=1e-5)
-  assert losses[9] < losses[0]
+  assert all(abs(losses[step] - np.log(2.0)) > 1e-3 for step in range(1, 10)), losses
   reference = loop.role("reference")
   adapters = jax.tree.leaves(reference.state.filter(lambda path, v: "lora" in str(path).lower()))
   assert adapters and all(not np.any(np.asarray(a)) for a in adapters)

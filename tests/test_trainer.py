@@ -182,7 +182,9 @@ def test_training_features_the_step_lacks_fail_at_start(make_config):
 
 
 def test_training_stops_at_target_eval_loss(make_config):
-  config = make_config("steps=60", "eval_interval=10", "target_eval_loss=1.0", "enable_checkpointing=false")
+  config = make_config(
+      "steps=60", "eval_interval=10", "target_eval_loss=1.0", "enable_checkpointing=false", run_utils.WHOLE_TRAIN_SPLIT
+  )
   _, summary = run_utils.run(config)
   assert summary["end_step"] < 60
   assert summary["evals"][summary["end_step"]]["eval/loss"] <= 1.0

@@ -182,8 +182,8 @@ def tokenize_split(source: sources.RecordSource, encoder: Encoder, config, split
   encoding = SftEncoding.from_config(config, encoder, split == "train")
   max_len = config.max_target_length
 
-  def visit(index):
-    prompt_ids, completion_ids = encoding.tokens(source[index])
+  def visit(index, record):
+    prompt_ids, completion_ids = encoding.tokens(record)
     length = len(prompt_ids) + len(completion_ids)
     if length > max_len and config.overlong_policy == "error":
       raise ValueError(
@@ -198,7 +198,7 @@ def tokenize_split(source: sources.RecordSource, encoder: Encoder, config, split
     digest = hashlib.sha256(np.asarray([len(inputs)], np.int64).tobytes() + inputs.tobytes() + targets.tobytes())
     return split_pass.Visit(True, (int(length > max_len), 0, len(inputs), targets_kept), digest.digest())
 
-  table = split_pass.run(len(source), visit, num_counts=4)
+  table = split_pass.run(source, visit, num_counts=4)
   stats = SplitStats(
       source=source.description,
       num_examples=len(source),

@@ -159,8 +159,7 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
   encoding = PairEncoding.from_config(config, encoder, split == "train")
   _, chosen_column, rejected_column = encoding.columns[:3]
 
-  def visit(index):  # counts: identical, truncated, skipped, completion tokens
-    record = source[index]
+  def visit(index, record):  # counts: identical, truncated, skipped, completion tokens
     if record[chosen_column] == record[rejected_column]:
       return split_pass.Visit(kept=False, counts=(1, 0, 0, 0))
     where = f"{split} pair {index} of {source.description}"
@@ -181,7 +180,7 @@ def tokenize_pairs(source: sources.RecordSource, encoder: pipeline.Encoder, conf
     )
     return split_pass.Visit(True, (0, int(overlong), 0, len(chosen) + len(rejected)), digest.digest())
 
-  table = split_pass.run(len(source), visit, num_counts=4)
+  table = split_pass.run(source, visit, num_counts=4)
   stats = PairSplitStats(
       source=source.description,
       num_examples=len(source),

@@ -82,13 +82,14 @@ def load(config, train: bool, limit: int | None = None, encoder: pipeline.Encode
   columns = tuple(config.train_data_columns if train else config.eval_data_columns)
   count = len(source) if limit is None else min(limit, len(source))
 
-  def visit(index):
-    record = source[index]
+  def visit(_, record):
     ids = encoder.prompt_ids(record[columns[0]])
     digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes() + record[columns[1]].encode("utf-8"))
     return split_pass.Visit(True, digest=digest.digest())
 
-  return PromptSet(source, encoder, columns, count, split_pass.run(count, visit, num_counts=0).fingerprint)
+  return PromptSet(
+      source, encoder, columns, count, split_pass.run(source, visit, num_counts=0, num_examples=count).fingerprint
+  )
 
 
 def make_prompt_iterator(config, mesh, prompts: PromptSet):

@@ -5,12 +5,13 @@ not as a shape error deep inside a jitted step. Each source reads one `grain_fil
 `tfds` (a prepared TFDS dataset in ArrayRecord format, read through `tfds.data_source` without TensorFlow; the
 bundled arithmetic builder is built on first use) and `jsonl` (one JSON object per line; a comma-separated list of
 paths or globs). Both read a record when it is asked for, so each process of a run reads only its own records; the
-setup pass that every pipeline runs (`split_pass`) reads each record once, which is where a bad row fails. Sources
-have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
+setup pass that every pipeline runs (`split_pass`) reads each record once, a block at a time (`read`), which is where
+a bad row fails. Sources have `__len__`/`__getitem__`, so grain can read them with `grain.MapDataset.source`.
 """
 
 import dataclasses
 import glob
+import itertools
 import json
 import os
 
@@ -34,6 +35,11 @@ class RecordSource:
   def __getitem__(self, index):
     return self.rows[index]
 
+  def read(self, indices: range) -> list[dict[str, str]]:
+    """The records at `indices` (consecutive), read together: one batched ArrayRecord read for TFDS (about twice as
+    fast as a read per record), one open file for JSONL."""
+    return self.rows.read(indices)
+
 
 @dataclasses.dataclass(frozen=True)
 class TfdsRows:
@@ -46,7 +52,12 @@ class TfdsRows:
     return len(self.data_source)
 
   def __getitem__(self, index):
-    record = self.data_source[index]
+    return self._text_columns(self.data_source[index])
+
+  def read(self, indices: range) -> list[dict[str, str]]:
+    return [self._text_columns(record) for record in self.data_source.__getitems__(list(indices))]
+
+  def _text_columns(self, record) -> dict[str, str]:
     return {column: _as_text(record[column]) for column in self.columns}
 
 
@@ -55,15 +66,18 @@ def _as_text(value) -> str:
 
 
 def _tfds_source(name: str, data_dir: str, split: str, columns: tuple[str, ...]) -> RecordSource:
-  """`name` (`builder/config[:version]`) from the TFDS `data_dir`, built there on first use."""
+  """`name` (`builder/config[:version]`) from the TFDS `data_dir`, built there on first use. `split` is read as TFDS
+  reads it, as MaxText's TFDS pipeline passes train_split/eval_split to TFDS: a split or TFDS's slicing and joining
+  of splits (`train[:2000]`, `train[:90%]`, `train+test`)."""
   description = f"tfds:{name}[{split}] in {data_dir}"
   builder = arithmetic_tfds.prepare(name, data_dir)
-  if split not in builder.info.splits:
-    raise ValueError(f"{description}: no split {split!r}; it has {sorted(builder.info.splits)}.")
   missing = [column for column in columns if column not in builder.info.features]
   if missing:
     raise ValueError(f"{description}: missing field(s) {missing}; its features are {sorted(builder.info.features)}.")
-  data_source = tfds.data_source(name, data_dir=data_dir, split=split)
+  try:
+    data_source = tfds.data_source(name, data_dir=data_dir, split=split)
+  except ValueError as e:  # an unknown split or a malformed slice; TFDS's first line says which
+    raise ValueError(f"{description}: {str(e).splitlines()[0]}") from e
   return RecordSource(TfdsRows(data_source, columns), description)
 
 
@@ -121,11 +135,20 @@ class JsonlRows:
     return len(self.lines)
 
   def __getitem__(self, index):
+    return self.read(range(index, index + 1))[0]
+
+  def read(self, indices: range) -> list[dict[str, str]]:
+    records = []
+    for file_index, group in itertools.groupby(indices, key=lambda index: int(self.lines[index, 0])):
+      with open(self.files[file_index], "rb") as f:
+        records += [self._read_line(f, index) for index in group]
+    return records
+
+  def _read_line(self, f, index) -> dict[str, str]:
     file_index, offset, line_number = (int(v) for v in self.lines[index])
     path = self.files[file_index]
-    with open(path, "rb") as f:
-      f.seek(offset)
-      line = f.readline()
+    f.seek(offset)
+    line = f.readline()
     try:
       text = line.decode("utf-8")
     except UnicodeDecodeError as e:
