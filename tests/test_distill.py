@@ -40,6 +40,7 @@ def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
     argv += [
         f"steps={TRANSFER_STEPS}",
         f"eval_interval={TRANSFER_STEPS}",
+        "eval_generation_examples=0",  # only the held-out losses are read
         "enable_checkpointing=false",
         f"metrics_file={out / name}.jsonl",
     ]
