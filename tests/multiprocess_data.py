@@ -40,13 +40,18 @@ def example_ids(batch: dict[str, jax.Array]) -> list[str]:
 
 
 class _CountingSource(sources.RecordSource):
-  """A record source that counts its reads (the probe opens sources through it)."""
+  """A record source that counts the records it reads, one at a time or a block at a time (the probe opens sources
+  through it)."""
 
   reads = 0
 
   def __getitem__(self, index):
     _CountingSource.reads += 1
     return super().__getitem__(index)
+
+  def read(self, indices):
+    _CountingSource.reads += len(indices)
+    return super().read(indices)
 
 
 def _open_counting_source(*args, **kwargs) -> sources.RecordSource:

@@ -82,7 +82,6 @@ def _config_argv(layout: str, config_file: str, out: pathlib.Path, tfds_dir, *ke
       "run_name=run",
       f"base_output_directory={out}",
       f"dataset_path={tfds_dir}",
-      run_utils.SHORT_TRAIN_SPLIT,
       "eval_interval=-1",
       "log_period=1",
       f"metrics_file={out / 'metrics.jsonl'}",
