@@ -1,16 +1,8 @@
-"""Prints the per-step losses of short distillation runs (distill.yml with feature and attention transfer through a
-learned feature map, and distill_on_policy.yml); run in a subprocess with fake CPU devices.
-
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_distill.py OUT_DIR TFDS_DIR \\
-      STUDENT TEACHER '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]'
-
-Prints one JSON line per config: {"config": ..., "mesh": {...}, "losses": [...], "divergence": [...],
-"feature_loss": [...]}.
-"""
+"""The per-step losses of short distillation runs (distill.yml with feature and attention transfer through a learned
+feature map, and distill_on_policy.yml); run with fake CPU devices by tests/on_four_devices.py."""
 
 import json
 import pathlib
-import sys
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
@@ -59,6 +51,7 @@ def run(out_dir: str, tfds_dir: str, student: str, teacher: str, layout: list[st
   }
 
 
-if __name__ == "__main__":
-  for config in CONFIGS:
-    print(json.dumps(run(*sys.argv[1:5], json.loads(sys.argv[5]), config)), flush=True)
+def run_all(out_dir: str, tfds_dir: str, student: str, teacher: str, layout: list[str]) -> list[dict]:
+  """`run` of each of CONFIGS: {"config": ..., "mesh": {...}, "losses": [...], "divergence": [...],
+  "feature_loss": [...]}."""
+  return [run(out_dir, tfds_dir, student, teacher, layout, config_file) for config_file in CONFIGS]

@@ -1,17 +1,9 @@
-"""Prints the first SFT losses for several mesh layouts; run in a subprocess with fake CPU devices.
+"""The first SFT losses for several mesh layouts; run with fake CPU devices by tests/on_four_devices.py.
 
 Weights are initialised alike on every layout without a pipeline (threefry is partitionable). MaxText's pipeline
 stores the scanned layers stage-major under `pipeline_module`, and initialises them differently, so a pipelined
 layout starts from the first layout's initial weights moved into that layout.
-
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_losses.py OUT_DIR TFDS_DIR STEPS \\
-      '[["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"], ...]'
-
-Prints one JSON line per layout: {"overrides": [...], "mesh": {...}, "losses": [...]}.
 """
-
-import json
-import sys
 
 import jax
 import numpy as np
@@ -53,14 +45,11 @@ def first_losses(out_dir, tfds_dir, steps, overrides, run_name, initial_params=N
   return {"overrides": overrides, "mesh": dict(loop.mesh.shape), "losses": losses}, initial_params
 
 
-def main(argv):
-  out_dir, tfds_dir, steps, layouts = argv[1], argv[2], int(argv[3]), json.loads(argv[4])
-  initial_params = None
+def layouts_losses(out_dir: str, tfds_dir: str, steps: int, layouts: list[list[str]]) -> list[dict]:
+  """Per layout: {"overrides": [...], "mesh": {...}, "losses": [...]}, each from the first layout's initial weights."""
+  results, initial_params = [], None
   for index, overrides in enumerate(layouts):
     result, initial_params = first_losses(out_dir, tfds_dir, steps, overrides, f"layout{index}", initial_params)
     assert np.all(np.isfinite(result["losses"]))
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-  main(sys.argv)
+    results.append(result)
+  return results

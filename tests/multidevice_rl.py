@@ -1,15 +1,9 @@
-"""Prints the per-step rewards and losses of a short GRPO (or PPO) run; run in a subprocess with fake CPU devices.
-
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multidevice_rl.py OUT_DIR TFDS_DIR \\
-      '["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]' [ppo.yml]
-
-Prints one JSON line: {"mesh": {...}, "rewards": [...], "losses": [...], "kl": [...]} (PPO: also "value_losses"
-and "explained_variance"; "kl" is the rollout's KL to the reference).
-"""
+"""The per-step rewards and losses of a short GRPO (or PPO) run: {"mesh": {...}, "rewards": [...], "losses": [...],
+"kl": [...], ...} (PPO: also "value_losses" and "explained_variance"; "kl" is the rollout's KL to the reference).
+Run on one device by tests/test_sharding.py and with fake CPU devices by tests/on_four_devices.py."""
 
 import json
 import pathlib
-import sys
 
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import trainer
@@ -46,8 +40,3 @@ def run(out_dir: str, tfds_dir: str, overrides: list[str], run_name: str, config
     out["value_losses"] = [row["critic/loss"] for row in rows]
     out["explained_variance"] = [row["rl/explained_variance"] for row in rows]
   return out
-
-
-if __name__ == "__main__":
-  config_file = sys.argv[4] if len(sys.argv) > 4 else "grpo.yml"
-  print(json.dumps(run(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), "multidevice", config_file)), flush=True)

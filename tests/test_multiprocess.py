@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from tests import run_utils
+from tests import train_in_turn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
 PROCESSES, LOCAL_DEVICES = 2, 2
-TIMEOUT = 300  # seconds per job; a hang fails the test instead of the suite
+TIMEOUT = 300  # seconds per run of a job; a hang fails the test instead of the suite
 
 # DPO's, GRPO's and PPO's jobs run MaxText's layers unscanned. With scanned layers, XLA:CPU now and then deadlocks a
 # 1-process run with 4 devices: the layers' loop holds collectives (fsdp all-gathers) and the program has others
@@ -107,18 +108,24 @@ def _first_error(log: pathlib.Path) -> str:
   return "\n".join(head + ["..."] + lines[-40:])
 
 
-def finish(process: subprocess.Popen, out: pathlib.Path) -> None:
-  rc = process.wait(timeout=TIMEOUT)
+def finish(process: subprocess.Popen, out: pathlib.Path, runs: int = 1) -> None:
+  rc = process.wait(timeout=TIMEOUT * runs)
   logs = "\n".join(f"{f}:\n{_first_error(f)}" for f in sorted(out.glob("**/process_*.log")))
   assert rc == 0, f"exit status {rc}:\n{logs}"
 
 
-def _single(argv: list[str], out: pathlib.Path) -> int:
+def _single(argv: list[str], out: pathlib.Path, runs: int) -> int:
   out.mkdir(parents=True, exist_ok=True)
   env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={PROCESSES * LOCAL_DEVICES}")
   with open(out / "single.log", "wb") as log:
     return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT, check=False
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        timeout=TIMEOUT * runs,
+        check=False,
     ).returncode
 
 
@@ -131,24 +138,25 @@ def _aborted_in_xla_cpu_rendezvous(out: pathlib.Path) -> bool:
   return any(_XLA_CPU_RENDEZVOUS_ABORT in log.read_text(errors="replace") for log in out.glob("**/*.log"))
 
 
-def single(argv: list[str], out: pathlib.Path) -> None:
+def single(argv: list[str], out: pathlib.Path, runs: int = 1) -> None:
   """One process with 2 x 2 devices: the mesh of the 2-process job with its DCN axis as an ICI axis."""
-  rc = _single(argv, out)
+  rc = _single(argv, out, runs)
   if rc != 0 and _aborted_in_xla_cpu_rendezvous(out):
     print(f"{out}: XLA:CPU rendezvous abort; running again:\n{_first_error(out / 'single.log')}")
     shutil.rmtree(out)
-    rc = _single(argv, out)
+    rc = _single(argv, out, runs)
   assert rc == 0, f"exit status {rc}, see {out / 'single.log'}:\n" + _first_error(out / "single.log")
 
 
-def two_processes(argv: list[str], out: pathlib.Path) -> None:
-  """`argv` as a 2-process job from scratch, to its end (again, once, after an XLA:CPU rendezvous abort)."""
+def two_processes(argv: list[str], out: pathlib.Path, runs: int = 1) -> None:
+  """`argv` (`runs` training runs) as a 2-process job from scratch, to its end (again, once, after an XLA:CPU
+  rendezvous abort)."""
   process = launch(argv, out)
-  if process.wait(timeout=TIMEOUT) != 0 and _aborted_in_xla_cpu_rendezvous(out):
+  if process.wait(timeout=TIMEOUT * runs) != 0 and _aborted_in_xla_cpu_rendezvous(out):
     print(f"{out}: XLA:CPU rendezvous abort; running again")
     shutil.rmtree(out)
     process = launch(argv, out)
-  finish(process, out)
+  finish(process, out, runs)
 
 
 def _comparable(row: dict) -> dict[str, float]:
@@ -177,20 +185,36 @@ def sft_two_processes(tmp_path_factory, tfds_dir) -> pathlib.Path:
   return out
 
 
+@pytest.fixture(scope="module")
+def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, dict[str, pathlib.Path]]:
+  """Each objective's output directory per layout ("two", "one"). Besides SFT's (`sft_two_processes`), the 2-process
+  runs are one job that runs them in turn (tests/train_in_turn.py: `maxtext_posttrain.train.main` on each argv), and
+  the 1-process runs one process: a process's start-up costs more than a run of these few steps."""
+  root = tmp_path_factory.mktemp("objectives")
+  teacher = sft_two_processes / "run" / "checkpoints" / "11" / "items"  # a checkpoint written by 2 processes
+  keys = {"distill": (f"teacher_overrides.load_parameters_path={teacher}",)}
+  runs = {layout: {name: root / layout / name for name in OBJECTIVES} for layout in LAYOUT}
+  runs["two"]["sft"] = sft_two_processes
+
+  def in_turn(layout: str, names: list[str]) -> list[str]:
+    argv = ["-m", "tests.train_in_turn"]
+    for name in names:
+      config_file, *objective_keys = OBJECTIVES[name]
+      argv += [train_in_turn.SEPARATOR] if name != names[0] else []
+      argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
+    return argv
+
+  two_processes(in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES) - 1)
+  single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES))
+  return runs
+
+
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
-def test_two_processes_train_as_one_process_with_as_many_devices(objective, tmp_path, tfds_dir, request):
+def test_two_processes_train_as_one_process_with_as_many_devices(objective, objective_runs):
   """Losses, rewards and every other logged figure of 2 processes x 2 devices equal those of 1 process x 4 devices
   step by step. RL rollouts are sampled and scored on the process that owns the prompts (each row once); the
   distillation teacher is a checkpoint written by a 2-process job."""
-  two, one, keys = tmp_path / "two", tmp_path / "one", ()
-  if objective == "distill":
-    teacher = request.getfixturevalue("sft_two_processes") / "run" / "checkpoints" / "11" / "items"
-    keys = (f"teacher_overrides.load_parameters_path={teacher}",)
-  if objective == "sft":
-    two = request.getfixturevalue("sft_two_processes")
-  else:
-    two_processes(train_argv("two", objective, two, tfds_dir, *keys), two)
-  single(train_argv("one", objective, one, tfds_dir, *keys), one)
+  two, one = objective_runs["two"][objective], objective_runs["one"][objective]
   two_rows, one_rows = run_utils.rows(two / "metrics.jsonl"), run_utils.rows(one / "metrics.jsonl")
   assert_same_rows(two_rows, one_rows)
   # The split's counts and fingerprint, from a setup pass that each process ran on its half, are one process's.

@@ -144,17 +144,23 @@ def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(m
 
 
 def _preference_run(make_config, tmp_path, *overrides):
-  """(eval before, eval after) of a seeded preference run on the bundled pairs (prompt + answer fit in 96 tokens)."""
+  """(eval before, eval after) of a seeded preference run on the bundled pairs, in rows of reward_model.yml's length
+  (the pairs are at most 60 tokens, prompts at most 45: nothing is cut, and the padding dpo.yml's 128 would add is
+  masked anyway)."""
   config = make_config(
       run_utils.WHOLE_TRAIN_SPLIT,
       "enable_checkpointing=false",
       "eval_steps=8",
-      "max_target_length=96",
+      "max_target_length=64",
+      "dpo.max_prompt_length=48",
       f"metrics_file={tmp_path / 'metrics.jsonl'}",
       *overrides,
       config_file=DPO,
   )
   _, summary = run_utils.run(config)
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    data = next(row for row in map(json.loads, f) if "data/train/num_truncated" in row)
+  assert data["data/train/num_truncated"] == data["data/eval/num_truncated"] == 0, data
   evals = summary["evals"]
   return evals[min(evals)], evals[max(evals)]
 

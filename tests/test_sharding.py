@@ -3,6 +3,7 @@ and distillation (off- and on-policy)."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -23,26 +24,62 @@ LAYOUTS = [
 ]
 
 
-def _on_four_fake_devices(script: str, *args: str) -> list[dict]:
-  """The JSON lines `tests/<script>` prints when run in a subprocess with 4 fake CPU devices."""
+FSDP_X_TENSOR = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+# Unscanned layers, as tests/test_multiprocess.py runs RL on 4 fake devices: with scanned ones XLA:CPU now and then
+# deadlocks a program on the trainer's two devices (one device thread waits in an all-reduce, the other in an
+# all-gather of the same execution; seen once in PPO's run), where a TPU runs a program's collectives in order.
+AHEAD = ["rl.off_policy_steps=1", "enable_checkpointing=false", "scan_layers=false"]
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint) -> tuple[dict, str]:
+  """The sharded runs of this module's tests, run in one subprocess with 4 fake CPU devices (tests/on_four_devices.py):
+  each job's JSON line by name, and the subprocess's stderr."""
+  root, tfds = tmp_path_factory.mktemp("four_devices"), str(tfds_dir)
+  jobs = [
+      ["sft", "tests.multidevice_losses", "layouts_losses", [str(root / "sft"), tfds, STEPS, LAYOUTS]],
+      ["grpo", "tests.multidevice_rl", "run", [str(root / "grpo"), tfds, FSDP_X_TENSOR, "multidevice"]],
+      ["ppo", "tests.multidevice_rl", "run", [str(root / "ppo"), tfds, FSDP_X_TENSOR, "multidevice", "ppo.yml"]],
+      *(
+          [f"{config_file}_ahead", "tests.multidevice_rl", "run"]
+          + [[str(root / config_file), tfds, [*AHEAD, "per_device_batch_size=1"], "multidevice", config_file]]
+          for config_file in ("grpo.yml", "ppo.yml")
+      ),
+      [
+          "distill",
+          "tests.multidevice_distill",
+          "run_all",
+          [str(root / "distill"), tfds, str(sft_checkpoint), str(deep_sft_checkpoint), FSDP_X_TENSOR],
+      ],
+  ]
+  for job in jobs:
+    pathlib.Path(job[3][0]).mkdir()  # each job's output directory
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
   completed = subprocess.run(
-      [sys.executable, str(paths.REPO / "tests" / script), *args],
+      [sys.executable, str(paths.REPO / "tests" / "on_four_devices.py"), json.dumps(jobs)],
       env=env,
       capture_output=True,
       text=True,
-      timeout=600,
+      timeout=1800,
       check=False,
   )
-  assert completed.returncode == 0, completed.stderr[-4000:]
-  return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+  return {line["job"]: line for line in lines}, completed.stderr
 
 
-def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir):
+def _sharded(four_devices, job: str):
+  """What the sharded run `job` returned; its traceback, or the subprocess's stderr if it never ended, otherwise."""
+  lines, stderr = four_devices
+  assert job in lines, stderr[-4000:]
+  assert "error" not in lines[job], lines[job]["error"]
+  return lines[job]["result"]
+
+
+def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir, four_devices):
   single, _ = multidevice_losses.first_losses(
       str(tmp_path), str(tfds_dir), STEPS, ["per_device_batch_size=16", *COMMON], "single"
   )
-  results = _on_four_fake_devices("multidevice_losses.py", str(tmp_path), str(tfds_dir), str(STEPS), json.dumps(LAYOUTS))
+  results = _sharded(four_devices, "sft")
   assert [r["overrides"] for r in results] == LAYOUTS
   assert results[0]["mesh"]["fsdp"] == 2 and results[0]["mesh"]["tensor"] == 2
   assert results[1]["mesh"]["stage"] == 2
@@ -50,24 +87,22 @@ def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_d
     np.testing.assert_allclose(result["losses"], single["losses"], rtol=2e-5, err_msg=str(result["overrides"]))
 
 
-def test_rl_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
+def test_rl_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir, four_devices):
   """GRPO on 4 fake devices (fsdp 2 x tensor 2; per_device_batch_size 1, the same 4 prompts): the sampler draws the
   same completions (rewards equal), and losses and KL match the single device's."""
   single = multidevice_rl.run(str(tmp_path), str(tfds_dir), [], "single")
-  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
-  (sharded,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), json.dumps(layout))
+  sharded = _sharded(four_devices, "grpo")
   assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-4, atol=1e-7)
   np.testing.assert_allclose(sharded["kl"], single["kl"], rtol=1e-4, atol=1e-7)
 
 
-def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
+def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir, four_devices):
   """PPO (policy, critic and reference) on 4 fake devices (fsdp 2 x tensor 2) against one device: the same
   completions (rewards equal), and policy losses, value losses, KL and the critic's explained variance match."""
   single = multidevice_rl.run(str(tmp_path), str(tfds_dir), [], "single", "ppo.yml")
-  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
-  (sharded,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), json.dumps(layout), "ppo.yml")
+  sharded = _sharded(four_devices, "ppo")
   assert sharded["mesh"]["fsdp"] == 2 and sharded["mesh"]["tensor"] == 2
   assert sharded["rewards"] == single["rewards"] and len(single["rewards"]) == 3
   for key in ("losses", "value_losses", "explained_variance"):
@@ -79,20 +114,17 @@ def test_ppo_steps_on_one_device_and_on_fsdp_x_tensor_agree(tmp_path, tfds_dir):
 
 
 @pytest.mark.parametrize("config_file", ["grpo.yml", "ppo.yml"])
-def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_device(tmp_path, tfds_dir, config_file):
+def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_device(
+    tmp_path, tfds_dir, config_file, four_devices
+):
   """rl.off_policy_steps=1 with MaxText's halves on 4 fake devices (trainer on devices 0-1, sampler on 2-3, the
   weights copied across after every step) against the same run on one device shared by trainer and sampler: the
   same rollouts (rewards equal) and losses, one update stale after the first step."""
-  # Unscanned layers, as tests/test_multiprocess.py runs RL on 4 fake devices: with scanned ones XLA:CPU now and then
-  # deadlocks a program on the trainer's two devices (one device thread waits in an all-reduce, the other in an
-  # all-gather of the same execution; seen once in PPO's run), where a TPU runs a program's collectives in order.
-  ahead = ["rl.off_policy_steps=1", "enable_checkpointing=false", "scan_layers=false"]
   single = multidevice_rl.run(
-      str(tmp_path), str(tfds_dir), [*ahead, "trainer_devices_fraction=1", "sampler_devices_fraction=1"], "single",
+      str(tmp_path), str(tfds_dir), [*AHEAD, "trainer_devices_fraction=1", "sampler_devices_fraction=1"], "single",
       config_file,
   )  # fmt: skip
-  layout = json.dumps([*ahead, "per_device_batch_size=1"])
-  (split,) = _on_four_fake_devices("multidevice_rl.py", str(tmp_path), str(tfds_dir), layout, config_file)
+  split = _sharded(four_devices, f"{config_file}_ahead")
   assert (split["trainer_devices"], split["rollout_devices"]) == ([0, 1], [2, 3])
   assert split["staleness"] == single["staleness"] == [0, 1, 1]
   assert split["rewards"] == single["rewards"]
@@ -101,15 +133,14 @@ def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_devi
 
 
 def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(
-    tmp_path, tfds_dir, sft_checkpoint, deep_sft_checkpoint
+    tmp_path, tfds_dir, sft_checkpoint, deep_sft_checkpoint, four_devices
 ):
   """distill.yml (a moving alpha, T 2, feature and attention transfer through a learned feature map) and
   distill_on_policy.yml (on- and off-policy steps) with the 4-layer teacher read inside the step, on 4 fake devices
   (fsdp 2 x tensor 2) against one: the losses, divergences and feature losses match."""
   paths_ = [str(tmp_path), str(tfds_dir), str(sft_checkpoint), str(deep_sft_checkpoint)]
-  single = [multidevice_distill.run(*paths_, ["per_device_batch_size=4"], c) for c in multidevice_distill.CONFIGS]
-  layout = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
-  sharded = _on_four_fake_devices("multidevice_distill.py", *paths_, json.dumps(layout))
+  single = multidevice_distill.run_all(*paths_, ["per_device_batch_size=4"])
+  sharded = _sharded(four_devices, "distill")
   assert [r["config"] for r in sharded] == list(multidevice_distill.CONFIGS)
   for one, four in zip(single, sharded):
     assert four["mesh"]["fsdp"] == 2 and four["mesh"]["tensor"] == 2 and len(one["losses"]) == 3
