@@ -48,8 +48,8 @@ if wanted dpo; then
     eval_interval=250 eval_steps=8 enable_checkpointing=false
   for algo in orpo simpo; do  # the reference-free algorithms from random weights, as the tests run them
     run "$algo" "$PY" -m maxtext_posttrain.train dpo.yml run_name="$algo" base_output_directory="$OUT/dpo" \
-      dpo.algo="$algo" learning_rate=3e-3 steps=75 eval_interval=75 eval_steps=8 max_target_length=96 \
-      enable_checkpointing=false
+      dpo.algo="$algo" learning_rate=3e-3 steps=75 eval_interval=75 eval_steps=8 max_target_length=64 \
+      dpo.max_prompt_length=48 enable_checkpointing=false
   done
 fi
 

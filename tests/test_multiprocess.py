@@ -1,6 +1,7 @@
 """Multi-process runs on JAX's distributed runtime: `python -m maxtext_posttrain.train` as 2 processes x 2 CPU
 devices joined the way MaxText joins pod hosts (scripts/launch_local.sh; the mesh's DCN axis spans the processes),
-against 1 process x 4 devices on the same mesh shape.
+against 1 process x 4 devices on the same mesh shape. SFT's runs and the kill test run the command itself; the other
+objectives run its `main` one after another in one job (tests/train_in_turn.py).
 
 Every test here starts subprocesses: MaxText's CPU coordinator listens on a fixed port (1234), so two jobs at once
 would collide, and this file keeps them on one xdist worker, one at a time.
