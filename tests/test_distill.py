@@ -86,7 +86,7 @@ def sft_student(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint)
   (`_objective`) rather than building the models again."""
   argv = ["", "distill.yml", "run_name=loss", f"base_output_directory={tmp_path_factory.mktemp('loss')}"]
   argv += [f"dataset_path={tfds_dir}", f"load_parameters_path={sft_checkpoint}", "enable_checkpointing=false"]
-  argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}"]
+  argv += [f"teacher_overrides.load_parameters_path={deep_sft_checkpoint}", run_utils.SHORT_TRAIN_SPLIT]
   loop = trainer.setup(posttrain_config.initialize(argv))
   return loop, loop.train_batches.load_next_batch()
 
