@@ -35,27 +35,27 @@ def _built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
   return directory
 
 
-# Rough seconds of the slowest test files on one worker of the 2-worker suite (from `--durations` of full-suite runs
-# on the 2-core machine, the session fixtures they share left out). `pytest_xdist_make_scheduler` below starts the
-# costliest first; files not listed follow in pytest-xdist's own order (most tests first). Update it as files grow.
+# Rough seconds of the slowest test files on one worker of the 2-worker suite (from `--durations=0` of a full-suite run
+# on the 2-core machine, c612b10's; a file's figure includes the session fixtures it happened to build first).
+# `pytest_xdist_make_scheduler` below starts the costliest first; files not listed follow in pytest-xdist's own order (most tests first). Update it as files grow.
 _FILE_SECONDS = {
-    "test_reward_model.py": 500,
-    "test_multiprocess.py": 430,
-    "test_preference.py": 200,
-    "test_distill.py": 180,
-    "test_peft.py": 155,
-    "test_sharding.py": 115,
-    "test_reliability.py": 110,
-    "test_drills.py": 95,
-    "test_load.py": 30,
-    "test_ppo.py": 115,
-    "test_grpo.py": 85,
-    "test_benchmarks.py": 80,
+    "test_reward_model.py": 560,
+    "test_multiprocess.py": 335,
+    "test_preference.py": 230,
+    "test_distill.py": 170,
+    "test_peft.py": 160,
+    "test_grpo.py": 150,
+    "test_benchmarks.py": 110,
+    "test_sharding.py": 105,
+    "test_ppo.py": 95,
+    "test_drills.py": 90,
+    "test_distill_on_policy.py": 80,
     "test_trainer.py": 75,
     "test_installed.py": 70,
-    "test_distill_on_policy.py": 65,
-    "test_cli.py": 50,
-    "test_demo_distill.py": 35,
+    "test_cli.py": 55,
+    "test_peft_precision.py": 55,
+    "test_demo_distill.py": 40,
+    "test_reliability.py": 35,
 }
 
 

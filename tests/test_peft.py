@@ -19,8 +19,10 @@ LORA = ("lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "lear
 
 
 def _config(tmp, tfds_dir, *overrides, run_name="run"):
-  argv = ["", "sft.yml", f"run_name={run_name}", f"base_output_directory={tmp}"]
-  return posttrain_config.initialize(argv + [f"dataset_path={tfds_dir}", "eval_interval=0", *overrides])
+  """sft.yml on the first 2,000 training examples (`run_utils.SHORT_TRAIN_SPLIT`): the runs here are at most 60 steps
+  of 16."""
+  argv = ["", "sft.yml", f"run_name={run_name}", f"base_output_directory={tmp}", f"dataset_path={tfds_dir}"]
+  return posttrain_config.initialize(argv + ["eval_interval=0", run_utils.SHORT_TRAIN_SPLIT, *overrides])
 
 
 def _frozen(model) -> dict:

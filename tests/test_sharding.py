@@ -32,9 +32,9 @@ AHEAD = ["rl.off_policy_steps=1", "enable_checkpointing=false", "scan_layers=fal
 
 
 @pytest.fixture(scope="module")
-def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint) -> tuple[dict, str]:
-  """The sharded runs of this module's tests, run in one subprocess with 4 fake CPU devices (tests/on_four_devices.py):
-  each job's JSON line by name, and the subprocess's stderr."""
+def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint) -> subprocess.CompletedProcess:
+  """The sharded runs of this module's tests, run in one subprocess with 4 fake CPU devices (tests/on_four_devices.py),
+  which prints one JSON line per job."""
   root, tfds = tmp_path_factory.mktemp("four_devices"), str(tfds_dir)
   jobs = [
       ["sft", "tests.multidevice_losses", "layouts_losses", [str(root / "sft"), tfds, STEPS, LAYOUTS]],
@@ -55,7 +55,7 @@ def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint
   for job in jobs:
     pathlib.Path(job[3][0]).mkdir()  # each job's output directory
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
-  completed = subprocess.run(
+  return subprocess.run(
       [sys.executable, str(paths.REPO / "tests" / "on_four_devices.py"), json.dumps(jobs)],
       env=env,
       capture_output=True,
@@ -63,16 +63,16 @@ def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint
       timeout=1800,
       check=False,
   )
-  lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
-  return {line["job"]: line for line in lines}, completed.stderr
 
 
-def _sharded(four_devices, job: str):
-  """What the sharded run `job` returned; its traceback, or the subprocess's stderr if it never ended, otherwise."""
-  lines, stderr = four_devices
-  assert job in lines, stderr[-4000:]
-  assert "error" not in lines[job], lines[job]["error"]
-  return lines[job]["result"]
+def _sharded(four_devices: subprocess.CompletedProcess, job: str):
+  """What the sharded run `job` returned. A job that raised fails its own test with its traceback; a subprocess that
+  did not exit cleanly fails them all with its stderr."""
+  assert four_devices.returncode == 0, four_devices.stderr[-4000:]
+  lines = [json.loads(line) for line in four_devices.stdout.splitlines() if line.startswith("{")]
+  (line,) = [line for line in lines if line["job"] == job]
+  assert "error" not in line, line["error"]
+  return line["result"]
 
 
 def test_one_device_and_four_device_meshes_give_the_same_losses(tmp_path, tfds_dir, four_devices):
