@@ -46,7 +46,8 @@ def first_losses(out_dir, tfds_dir, steps, overrides, run_name, initial_params=N
 
 
 def layouts_losses(out_dir: str, tfds_dir: str, steps: int, layouts: list[list[str]]) -> list[dict]:
-  """Per layout: {"overrides": [...], "mesh": {...}, "losses": [...]}, each from the first layout's initial weights."""
+  """Per layout: {"overrides": [...], "mesh": {...}, "losses": [...]}; a pipelined layout starts from the first
+  layout's initial weights."""
   results, initial_params = [], None
   for index, overrides in enumerate(layouts):
     result, initial_params = first_losses(out_dir, tfds_dir, steps, overrides, f"layout{index}", initial_params)

@@ -5,8 +5,8 @@
 
 Each job calls `<module>.<function>(*args)` and prints one JSON line, {"job": name, "result": <what it returned>}, or
 {"job": name, "error": <traceback>} if it raised, so that one failing job fails its own test only. Starting a
-process costs about 25 s of CPU on the 2-core test machine (Python importing MaxText's modules, then tearing them
-down), more than most of these runs: one process runs them all.
+process costs 11-37 s on the 2-core test machine, depending on the hour (Python importing MaxText's modules, then
+tearing them down), more than most of these runs: one process runs them all.
 """
 
 import importlib

@@ -201,9 +201,9 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
     argv = ["-m", "tests.train_in_turn"]
     for name in names:
       config_file, *objective_keys = OBJECTIVES[name]
-      argv += [train_in_turn.SEPARATOR] if name != names[0] else []
       argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
-    return argv
+      argv.append(train_in_turn.SEPARATOR)
+    return argv[:-1]
 
   two_processes(in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES) - 1)
   single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES))
