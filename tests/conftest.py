@@ -37,7 +37,8 @@ def _built_once(tmp_path_factory, name: str, build) -> pathlib.Path:
 
 # Rough seconds of the slowest test files on one worker of the 2-worker suite (from `--durations=0` of a full-suite run
 # on the 2-core machine, c612b10's; a file's figure includes the session fixtures it happened to build first).
-# `pytest_xdist_make_scheduler` below starts the costliest first; files not listed follow in pytest-xdist's own order (most tests first). Update it as files grow.
+# `pytest_xdist_make_scheduler` below starts the costliest first; files not listed follow in pytest-xdist's own order
+# (most tests first). Update it as files grow.
 _FILE_SECONDS = {
     "test_reward_model.py": 560,
     "test_multiprocess.py": 335,
