@@ -10,6 +10,11 @@ machinery compares with a peer library's. Both sides run in one process, alterna
   log-probs, rewards and actor update are timed by wrapping `RLCluster.generate`, `RLCluster.get_ref_per_token_logps`
   (waited for), `GRPOLearner._compute_rewards` and `RLCluster.update_actor`. A step is timed from its start to the end
   of the optimizer update on both sides (per-step logging after it is left out on both).
+- Log-probs pass: the policy's per-token log-probs of the completions on the last GRPO step's rows, forward and
+  backward alone (no loss terms, optimizer or host work), each side through its own function for it: ours the
+  objective's `policy_window` (what our loss reads), Tunix's `get_per_token_logps` (what its GRPO loss reads), jitted
+  under `jax.value_and_grad` over the weights. It is the model's share of a train step, so the table shows how much
+  of each side's train part is the model and how much the step around it (loss, clipping, optimizer, metrics).
 - Sampler: B prompts x N samples x T new tokens (weighted, temperature 1, log-probs returned), ours
   `rollout.Sampler.sample`, Tunix's `tunix.generate.sampler.Sampler`, each timed end to end with T tokens and with
   one, which splits it into prefill and per-token decode (as `benchmarks.decode` does).
@@ -89,6 +94,7 @@ import warnings
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -125,13 +131,19 @@ def import_tunix() -> types.SimpleNamespace:
     # pylint: disable=import-outside-toplevel
     from tunix.generate import sampler as tunix_sampler
     from tunix.models.llama3 import model as llama3
+    from tunix.rl import common as rl_common
     from tunix.rl import rl_cluster
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
   except ImportError as e:
     sys.exit(f"peers: Tunix is not importable ({e}); {MISSING_TUNIX}.")
   return types.SimpleNamespace(
-      sampler=tunix_sampler, llama3=llama3, rl_cluster=rl_cluster, grpo=grpo_learner, base_rollout=base_rollout
+      sampler=tunix_sampler,
+      llama3=llama3,
+      rl_common=rl_common,
+      rl_cluster=rl_cluster,
+      grpo=grpo_learner,
+      base_rollout=base_rollout,
   )
 
 
@@ -187,6 +199,7 @@ class Ours:
     self.sampler.start = lambda params, p, max_new, eos_id, *a, **k: start(params, p, max_new, NO_EOS, *a, **k)
     self.num_params = int(sum(x.size for x in jax.tree.leaves(loop.primary.state.model.filter(nnx.Param))))
     self.answers = []
+    self.batch = None  # the last GRPO step's training rows
 
   def use_prompts(self, prompts: list[list[int]]) -> None:
     """Every step samples `prompts` (the token ids Tunix's side gets), in place of the dataset prompts at the indices
@@ -213,7 +226,7 @@ class Ours:
     with self.scope():
       start = time.perf_counter()
       batch = loop.train_batches.load_next_batch() if loop.objective.wants_batch(loop) else None
-      batch = loop.objective.before_step(loop, batch)
+      batch = self.batch = loop.objective.before_step(loop, batch)
       train_start = time.perf_counter()
       train_metrics = loop.primary.train_step(batch, loop.frozen_states())
       jax.block_until_ready((loop.primary.state, train_metrics))
@@ -228,6 +241,31 @@ class Ours:
         "reference": metrics.get("rl/reference_seconds", 0.0),
         "train": end - train_start,
     }
+
+  def logps_pass(self):
+    """A call running the log-probs pass (module docstring) once on the last GRPO step's rows, waiting for it; the
+    weights are copied, so later steps' donation leaves them valid."""
+    objective, batch = self.loop.objective, self.batch
+    graphdef, params, rest = nnx.split(self.loop.primary.model(), nnx.Param, ...)
+    params, rest = jax.tree.map(jnp.copy, (params, rest))
+
+    def completion_logps(params):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      logps, _, _, window = objective.policy_window(model, batch, is_train=True)
+      return jnp.sum(logps * window["completion_mask"])
+
+    step = jax.jit(jax.value_and_grad(completion_logps))
+
+    def run():
+      with self.scope():
+        jax.block_until_ready(step(params))
+
+    return run
+
+  def sequences(self) -> np.ndarray:
+    """[rows, prompt + completion tokens] the last GRPO step's sequences (every completion runs to the token budget)."""
+    inputs, targets = jax.device_get((self.batch["inputs"], self.batch["targets"]))
+    return np.concatenate([inputs[:, :1], targets[:, :-1]], axis=1)
 
   def sample(self, prompts: list[list[int]], num_samples: int, new_tokens: int, seed: int) -> float:
     params = self.loop.policy_params()
@@ -354,6 +392,28 @@ class Tunix:
     call = time.perf_counter() - start
     return {"step": self.times["train_end"] - start, "call": call} | {part: self.times.get(part, 0.0) for part in PARTS}
 
+  def logps_pass(self, sequences: np.ndarray, completion_tokens: int):
+    """A call running the log-probs pass (module docstring) once on `sequences` (ours, the same token ids) through
+    Tunix's `get_per_token_logps` on the actor, with its causal mask; weights copied as ours are."""
+    graphdef, params, rest = nnx.split(self.cluster.actor_trainer.model, nnx.Param, ...)
+    params, rest = jax.tree.map(jnp.copy, (params, rest))
+    rows, length = sequences.shape
+    tokens = jnp.asarray(sequences, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (rows, length, length))
+
+    def completion_logps(params):
+      model = nnx.merge(graphdef, params, rest, copy=True)
+      return jnp.sum(self.tunix.rl_common.get_per_token_logps(model, tokens, positions, mask, completion_tokens))
+
+    step = jax.jit(jax.value_and_grad(completion_logps))
+
+    def run():
+      with self.mesh:
+        jax.block_until_ready(step(params))
+
+    return run
+
   def sample(self, prompts: list[list[int]], num_samples: int, new_tokens: int, seed: int) -> float:
     if self._sampler is None:
       self._sampler = self.tunix.sampler.Sampler(
@@ -387,11 +447,20 @@ class Tunix:
       return timed_call(run)
 
 
-def summarize(grpo: list[dict], full: list[float], one: list[float], rows: int, new_tokens: int, decode_calls: int):
-  """Medians of a side's step and its parts (`other`: the step less its timed parts, host work between them), sampler
-  throughput and its prefill / per-token decode split. `decode_calls` is the number of decode-step model calls in the
-  one-token request (ours 0, Tunix 1)."""
+def summarize(
+    grpo: list[dict],
+    logps: list[float],
+    full: list[float],
+    one: list[float],
+    rows: int,
+    new_tokens: int,
+    decode_calls: int,
+):
+  """Medians of a side's step and its parts (`other`: the step less its timed parts, host work between them), of its
+  log-probs pass, sampler throughput and its prefill / per-token decode split. `decode_calls` is the number of
+  decode-step model calls in the one-token request (ours 0, Tunix 1)."""
   out = {f"{part}_s": statistics.median([t[part] for t in grpo]) for part in ("step", *PARTS)}
+  out["logps_pass_s"] = statistics.median(logps)
   # Per step, then the median: the parts above are medians of their own.
   out["other_s"] = statistics.median([t["step"] - sum(t[part] for part in PARTS) for t in grpo])
   total, single = statistics.median(full), statistics.median(one)
@@ -413,6 +482,7 @@ TABLE = (
     ("  reference (s)", "reference_s", 1.0),
     ("  train (s)", "train_s", 1.0),
     ("  other (s)", "other_s", 1.0),
+    ("log-probs fwd+bwd (s)", "logps_pass_s", 1.0),
     ("sampler tokens/s", "sampler_tokens_per_s", 1.0),
     ("  prefill (ms)", "prefill_s", 1e3),
     ("  decode per token (ms)", "decode_per_token_s", 1e3),
@@ -479,6 +549,14 @@ def main(argv):
       times = sides[name].grpo_step()
       if repeat >= 0:
         grpo[name].append(times)
+  # The log-probs pass on the last step's rows (the same sequences on both sides), before the sampler rows.
+  passes = {"ours": ours.logps_pass(), "tunix": peer.logps_pass(ours.sequences(), new_tokens)}
+  logps = {name: [] for name in sides}
+  for repeat in range(-1, repeats):
+    for name in sorted(sides, reverse=repeat % 2 == 1):
+      seconds = timed_call(passes[name])
+      if repeat >= 0:
+        logps[name].append(seconds)
   for repeat in range(-1, repeats):
     for name in sorted(sides, reverse=repeat % 2 == 1):
       seed = repeat + 1
@@ -490,7 +568,9 @@ def main(argv):
 
   rows = sampler_prompts * sampler_samples
   results = {
-      name: summarize(grpo[name], full[name], one[name], rows, sampler_new_tokens, decode_calls=int(name == "tunix"))
+      name: summarize(
+          grpo[name], logps[name], full[name], one[name], rows, sampler_new_tokens, decode_calls=int(name == "tunix")
+      )
       for name in sides
   }
   ratios = {key: results["ours"][key] / results["tunix"][key] for _, key, _ in TABLE if results["tunix"][key]}
@@ -534,7 +614,10 @@ def main(argv):
       "ratios": ratios,
       "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
       "repeats": repeats,
-      "times_s": {name: {"grpo": grpo[name], "sampler": full[name], "one_token_request": one[name]} for name in sides},
+      "times_s": {
+          name: {"grpo": grpo[name], "logps_pass": logps[name], "sampler": full[name], "one_token_request": one[name]}
+          for name in sides
+      },
   }
   with open(output, "w", encoding="utf-8") as f:
     json.dump([row], f, indent=2)
