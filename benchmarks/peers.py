@@ -13,8 +13,9 @@ machinery compares with a peer library's. Both sides run in one process, alterna
 - Log-probs pass: the policy's per-token log-probs of the completions on the last GRPO step's rows, forward and
   backward alone (no loss terms, optimizer or host work), each side through its own function for it: ours the
   objective's `policy_window` (what our loss reads), Tunix's `get_per_token_logps` (what its GRPO loss reads), jitted
-  under `jax.value_and_grad` over the weights. It is the model's share of a train step, so the table shows how much
-  of each side's train part is the model and how much the step around it (loss, clipping, optimizer, metrics).
+  under `jax.value_and_grad` over the weights and timed right after each side's GRPO step, on our step's sequences
+  (the same token ids on both sides). It is the model's share of a train step, so the table shows how much of each
+  side's train part is the model and how much the step around it (loss, clipping, optimizer, metrics).
 - Sampler: B prompts x N samples x T new tokens (weighted, temperature 1, log-probs returned), ours
   `rollout.Sampler.sample`, Tunix's `tunix.generate.sampler.Sampler`, each timed end to end with T tokens and with
   one, which splits it into prefill and per-token decode (as `benchmarks.decode` does).
@@ -200,6 +201,7 @@ class Ours:
     self.num_params = int(sum(x.size for x in jax.tree.leaves(loop.primary.state.model.filter(nnx.Param))))
     self.answers = []
     self.batch = None  # the last GRPO step's training rows
+    self._logps_step = None
 
   def use_prompts(self, prompts: list[list[int]]) -> None:
     """Every step samples `prompts` (the token ids Tunix's side gets), in place of the dataset prompts at the indices
@@ -242,25 +244,20 @@ class Ours:
         "train": end - train_start,
     }
 
-  def logps_pass(self):
-    """A call running the log-probs pass (module docstring) once on the last GRPO step's rows, waiting for it; the
-    weights are copied, so later steps' donation leaves them valid."""
-    objective, batch = self.loop.objective, self.batch
+  def logps_pass(self) -> float:
+    """Seconds of one log-probs pass (module docstring) on the last GRPO step's rows with the current weights."""
     graphdef, params, rest = nnx.split(self.loop.primary.model(), nnx.Param, ...)
-    params, rest = jax.tree.map(jnp.copy, (params, rest))
+    if self._logps_step is None:
+      objective = self.loop.objective
 
-    def completion_logps(params):
-      model = nnx.merge(graphdef, params, rest, copy=True)
-      logps, _, _, window = objective.policy_window(model, batch, is_train=True)
-      return jnp.sum(logps * window["completion_mask"])
+      def completion_logps(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        logps, _, _, window = objective.policy_window(model, batch, is_train=True)
+        return jnp.sum(logps * window["completion_mask"])
 
-    step = jax.jit(jax.value_and_grad(completion_logps))
-
-    def run():
-      with self.scope():
-        jax.block_until_ready(step(params))
-
-    return run
+      self._logps_step = jax.jit(jax.value_and_grad(completion_logps))
+    with self.scope():
+      return timed_call(lambda: self._logps_step(params, rest, self.batch))
 
   def sequences(self) -> np.ndarray:
     """[rows, prompt + completion tokens] the last GRPO step's sequences (every completion runs to the token budget)."""
@@ -372,6 +369,7 @@ class Tunix:
     compute_rewards = self.learner._compute_rewards  # pylint: disable=protected-access
     self.learner._compute_rewards = self._timed("reward", compute_rewards)
     self._sampler = None
+    self._logps_step = None
 
   def _timed(self, name, fn, wait=False):
     def call(*args, **kwargs):
@@ -392,27 +390,24 @@ class Tunix:
     call = time.perf_counter() - start
     return {"step": self.times["train_end"] - start, "call": call} | {part: self.times.get(part, 0.0) for part in PARTS}
 
-  def logps_pass(self, sequences: np.ndarray, completion_tokens: int):
-    """A call running the log-probs pass (module docstring) once on `sequences` (ours, the same token ids) through
-    Tunix's `get_per_token_logps` on the actor, with its causal mask; weights copied as ours are."""
+  def logps_pass(self, sequences: np.ndarray) -> float:
+    """Seconds of one log-probs pass (module docstring) on `sequences` (ours: the same token ids) through Tunix's
+    `get_per_token_logps` on the actor, with its causal mask, over the completion's tokens."""
     graphdef, params, rest = nnx.split(self.cluster.actor_trainer.model, nnx.Param, ...)
-    params, rest = jax.tree.map(jnp.copy, (params, rest))
-    rows, length = sequences.shape
+    if self._logps_step is None:
+      completion_tokens = self.rollout_config.max_tokens_to_generate
+
+      def completion_logps(params, rest, tokens):
+        rows, length = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (rows, length, length))
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        return jnp.sum(self.tunix.rl_common.get_per_token_logps(model, tokens, positions, mask, completion_tokens))
+
+      self._logps_step = jax.jit(jax.value_and_grad(completion_logps))
     tokens = jnp.asarray(sequences, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (rows, length, length))
-
-    def completion_logps(params):
-      model = nnx.merge(graphdef, params, rest, copy=True)
-      return jnp.sum(self.tunix.rl_common.get_per_token_logps(model, tokens, positions, mask, completion_tokens))
-
-    step = jax.jit(jax.value_and_grad(completion_logps))
-
-    def run():
-      with self.mesh:
-        jax.block_until_ready(step(params))
-
-    return run
+    with self.mesh:
+      return timed_call(lambda: self._logps_step(params, rest, tokens))
 
   def sample(self, prompts: list[list[int]], num_samples: int, new_tokens: int, seed: int) -> float:
     if self._sampler is None:
@@ -447,20 +442,12 @@ class Tunix:
       return timed_call(run)
 
 
-def summarize(
-    grpo: list[dict],
-    logps: list[float],
-    full: list[float],
-    one: list[float],
-    rows: int,
-    new_tokens: int,
-    decode_calls: int,
-):
+def summarize(grpo: list[dict], full: list[float], one: list[float], rows: int, new_tokens: int, decode_calls: int):
   """Medians of a side's step and its parts (`other`: the step less its timed parts, host work between them), of its
   log-probs pass, sampler throughput and its prefill / per-token decode split. `decode_calls` is the number of
   decode-step model calls in the one-token request (ours 0, Tunix 1)."""
   out = {f"{part}_s": statistics.median([t[part] for t in grpo]) for part in ("step", *PARTS)}
-  out["logps_pass_s"] = statistics.median(logps)
+  out["logps_pass_s"] = statistics.median([t["logps_pass"] for t in grpo])
   # Per step, then the median: the parts above are medians of their own.
   out["other_s"] = statistics.median([t["step"] - sum(t[part] for part in PARTS) for t in grpo])
   total, single = statistics.median(full), statistics.median(one)
@@ -547,16 +534,10 @@ def main(argv):
   for repeat in range(-2, repeats):
     for name in sorted(sides, reverse=repeat % 2 == 1):
       times = sides[name].grpo_step()
+      # The log-probs pass right after the step, in the same round: the same sequences (ours) on both sides.
+      times["logps_pass"] = ours.logps_pass() if name == "ours" else peer.logps_pass(ours.sequences())
       if repeat >= 0:
         grpo[name].append(times)
-  # The log-probs pass on the last step's rows (the same sequences on both sides), before the sampler rows.
-  passes = {"ours": ours.logps_pass(), "tunix": peer.logps_pass(ours.sequences(), new_tokens)}
-  logps = {name: [] for name in sides}
-  for repeat in range(-1, repeats):
-    for name in sorted(sides, reverse=repeat % 2 == 1):
-      seconds = timed_call(passes[name])
-      if repeat >= 0:
-        logps[name].append(seconds)
   for repeat in range(-1, repeats):
     for name in sorted(sides, reverse=repeat % 2 == 1):
       seed = repeat + 1
@@ -568,9 +549,7 @@ def main(argv):
 
   rows = sampler_prompts * sampler_samples
   results = {
-      name: summarize(
-          grpo[name], logps[name], full[name], one[name], rows, sampler_new_tokens, decode_calls=int(name == "tunix")
-      )
+      name: summarize(grpo[name], full[name], one[name], rows, sampler_new_tokens, decode_calls=int(name == "tunix"))
       for name in sides
   }
   ratios = {key: results["ours"][key] / results["tunix"][key] for _, key, _ in TABLE if results["tunix"][key]}
@@ -614,10 +593,7 @@ def main(argv):
       "ratios": ratios,
       "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
       "repeats": repeats,
-      "times_s": {
-          name: {"grpo": grpo[name], "logps_pass": logps[name], "sampler": full[name], "one_token_request": one[name]}
-          for name in sides
-      },
+      "times_s": {name: {"grpo": grpo[name], "sampler": full[name], "one_token_request": one[name]} for name in sides},
   }
   with open(output, "w", encoding="utf-8") as f:
     json.dump([row], f, indent=2)
