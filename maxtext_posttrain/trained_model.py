@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
+import optax
 
 from maxtext.common import checkpointing
 from maxtext.common import train_state_nnx
@@ -124,16 +125,20 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
         spec.loss, config, train_state.model, params_shardings, data, frozen, trainable
     )
     raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
+    # optax's global norm, the one its clip_by_global_norm computes: XLA computes it once for both. After clipping,
+    # the norm is the raw one or the threshold clipping scales it to (optax clips where the norm reaches it), so the
+    # logged grad_norm needs no pass over the clipped gradients.
+    raw_grad_norm = optax.tree.norm(raw_grads)
     if config.gradient_clipping_threshold > 0:
       grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
+      grad_norm = jnp.minimum(raw_grad_norm, config.gradient_clipping_threshold)
     else:
-      grads = raw_grads
-    raw_grad_norm = max_utils.l2norm_pytree(raw_grads)
+      grads, grad_norm = raw_grads, raw_grad_norm
     finite = jnp.isfinite(loss) & jnp.isfinite(raw_grad_norm)
     if config.nonfinite_policy == "skip":  # the state before the update, kept for a non-finite step
       before = jax.tree.map(lambda x: x, nnx.state(train_state, nnx.Not(nnx.Intermediate)))  # new Variables: kept
     if config.skip_step_on_spikes:  # MaxText's spike-skipping optimizer reads the loss and gradient norm
-      train_state.apply_gradients(grads, loss=loss, grad_norm=max_utils.l2norm_pytree(grads))
+      train_state.apply_gradients(grads, loss=loss, grad_norm=grad_norm)
     else:
       train_state.apply_gradients(grads)
     if config.nonfinite_policy == "skip":
@@ -145,7 +150,7 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
     scalars = {
         "learning/loss": loss,
         "learning/total_weights": weight,
-        "learning/grad_norm": max_utils.l2norm_pytree(grads),
+        "learning/grad_norm": grad_norm,
         "learning/raw_grad_norm": raw_grad_norm,
         "learning/param_norm": max_utils.l2norm_pytree(nnx.state(train_state.model, trainable)),
         NONFINITE_METRIC: 1.0 - finite.astype(jnp.float32),
