@@ -120,6 +120,34 @@ def test_completion_only_loss_gives_prompt_tokens_no_weight_and_no_gradient(make
   assert not np.isclose(changed[0], base[0], rtol=1e-7)
 
 
+@pytest.mark.parametrize("threshold", [1e-3, 0.0])
+def test_logged_gradient_norms_are_the_norms_of_the_raw_and_clipped_gradients(make_config, threshold):
+  """learning/raw_grad_norm is the gradient's global norm and learning/grad_norm that of the gradient the optimizer
+  gets, checked against float64 numpy norms of an independent jax.grad: clipped to the threshold (1e-3 clips a fresh
+  model's gradient), or, without clipping (0), the raw norm."""
+  config = make_config(
+      "eval_interval=0", "packing=false", "enable_checkpointing=false", "enable_dropout=false",
+      f"gradient_clipping_threshold={threshold}",
+  )  # fmt: skip
+  loop = trainer.setup(config)
+  batch = loop.train_batches.load_next_batch()
+  graphdef, params, rest = nnx.split(loop.policy(), nnx.Param, ...)
+
+  def mean_loss(params):
+    out = loop.objective.loss(nnx.merge(graphdef, params, rest), batch, is_train=True)
+    return out.total / out.weight
+
+  grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(jax.grad(mean_loss)(params))]
+  raw = np.sqrt(sum(np.sum(g * g) for g in grads))
+  clipped = [g / raw * threshold for g in grads] if 0 < threshold <= raw else grads
+  scalars = loop.primary.train_step(batch, {})["scalar"]
+  assert 0 < threshold < raw or threshold == 0, raw
+  np.testing.assert_allclose(float(scalars["learning/raw_grad_norm"]), raw, rtol=1e-5)
+  np.testing.assert_allclose(
+      float(scalars["learning/grad_norm"]), np.sqrt(sum(np.sum(g * g) for g in clipped)), rtol=1e-5
+  )
+
+
 def test_remat_policy_none_keeps_its_meaning(make_config):
   """`remat_policy=none` with unscanned layers: the train step's backward pass reuses the forward's activations, so it
   costs about a quarter fewer FLOPs than under remat_policy=full. (MaxText's config reader turns "none" into None,
