@@ -6,10 +6,11 @@ machinery compares with a peer library's. Both sides run in one process, alterna
 - GRPO step: ours is the project's own path (`trainer.setup`, the GRPO objective's `before_step`: MaxText-decoding
   rollout, rewards, group advantages, reference forward; then the jitted train step), timed as
   `benchmarks.grpo_vs_pretrain` times it. Tunix's is `GRPOLearner` over an `RLCluster` with `rollout_engine='vanilla'`
-  and one mesh for actor, reference and rollout, one `learner.train([batch])` call per step; its rollout, reference
-  log-probs, rewards and actor update are timed by wrapping `RLCluster.generate`, `RLCluster.get_ref_per_token_logps`
-  (waited for), `GRPOLearner._compute_rewards` and `RLCluster.update_actor`. A step is timed from its start to the end
-  of the optimizer update on both sides (per-step logging after it is left out on both).
+  and one mesh for actor, reference and rollout unless told otherwise (Layouts, below), one
+  `learner.train([batch])` call per step; its rollout, reference log-probs, rewards and actor update are timed by
+  wrapping `RLCluster.generate`, `RLCluster.get_ref_per_token_logps` (waited for), `GRPOLearner._compute_rewards` and
+  `RLCluster.update_actor`. A step is timed from its start to the end of the optimizer update on both sides (and of
+  Tunix's weight copy to its rollout model, when it has one; per-step logging after it is left out on both).
 - Log-probs pass: the policy's per-token log-probs of the completions on the last GRPO step's rows, forward and
   backward alone (no loss terms, optimizer or host work), each side through its own function for it: ours the
   objective's `policy_window` (what our loss reads), Tunix's `get_per_token_logps` (what its GRPO loss reads), jitted
@@ -69,11 +70,22 @@ The last line is for scripts: `peers: grpo_step_ratio=<ours/Tunix> sampler_token
   .venv-peers/bin/python -m benchmarks.peers [grpo.yml] [key=value ...] [--model=tiny|benchmark] [--repeats=5]
       [--prompts=2] [--generations=2] [--prompt_tokens=64] [--new_tokens=64] [--sampler_prompts=8]
       [--sampler_samples=4] [--sampler_new_tokens=128] [--emb_dim=256] [--num_heads=4] [--head_dim=64] [--mlp_dim=512]
-      [--num_layers=2] [--vocab_size=1024] [--output=benchmark_peers.json]
+      [--num_layers=2] [--vocab_size=1024] [--tunix_devices=all] [--tunix_rollout_devices=0]
+      [--output=benchmark_peers.json]
 
-With `rl.off_policy_steps=1 trainer_devices_fraction=1 sampler_devices_fraction=1` ours samples one step ahead on the
-shared device (`rl/rollout_seconds` is then the wait); Tunix's learner, with one mesh for all roles, stays synchronous
-(it overlaps rollouts with training only across meshes).
+Layouts. By default every role of both sides runs on all the process's devices, one step after another. Each side
+can also overlap its rollouts with training, on a mesh of their own:
+- ours with `rl.off_policy_steps=1`: each step dispatches the next step's rollouts, with its current weights copied
+  to the sampler's devices (MaxText's `trainer_devices_fraction` / `sampler_devices_fraction`: halves by default; 1
+  and 1 share all devices), then trains while they decode; the step trains on rollouts one update old (the importance
+  ratio corrects for it; `rl/rollout_seconds` is then the wait).
+- Tunix with `--tunix_rollout_devices=M`: its rollout runs on the last M devices, its actor and reference on the
+  first `--tunix_devices` (default all). Its learner then prepares rollouts on a thread of its own while the actor
+  trains, but only between the micro-batches of one global step (one here, so nothing overlaps), and copies the
+  weights to the rollout model after every global step; that copy counts in its step. Its rollouts stay on-policy.
+On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=2` gives the process two devices (on the same cores):
+ours then trains on one and samples on the other, and `--tunix_devices=1` (with or without `--tunix_rollout_devices=1`)
+gives Tunix the same devices. The prompts per step stay `--prompts`, however many devices there are.
 
 `--model=tiny` (default) is emb 256, 4 heads x 64, mlp 512, 2 layers, vocab 1024; `--model=benchmark` is the 34.6M
 benchmark model of `benchmarks.harness` (emb 1024, 16 heads x 64, mlp 4096, 2 layers, vocab 512). The dim flags
@@ -259,6 +271,14 @@ class Ours:
     with self.scope():
       return timed_call(lambda: self._logps_step(params, rest, self.batch))
 
+  def layout(self) -> dict:
+    return {
+        "trainer_devices": self.loop.mesh.devices.size,
+        "sampler_devices": self.sampler.mesh.devices.size,
+        "shared": set(self.loop.mesh.devices.flat) == set(self.sampler.mesh.devices.flat),
+        "off_policy_steps": self.config.rl.off_policy_steps,
+    }
+
   def sequences(self) -> np.ndarray:
     """[rows, prompt + completion tokens] the last GRPO step's sequences (every completion runs to the token budget)."""
     inputs, targets = jax.device_get((self.batch["inputs"], self.batch["targets"]))
@@ -283,14 +303,29 @@ def config_new_tokens(config) -> int:
 
 
 class Tunix:
-  """Tunix's GRPOLearner (vanilla rollout, one mesh) and Sampler on a Tunix Llama3 built at our config's dims."""
+  """Tunix's GRPOLearner (vanilla rollout) and Sampler on a Tunix Llama3 built at our config's dims."""
 
-  def __init__(self, tunix, config, schedule, prompts: list[list[int]], answers: list[str], reward_set, sampler_cache):
+  def __init__(
+      self,
+      tunix,
+      config,
+      schedule,
+      prompts: list[list[int]],
+      answers: list[str],
+      reward_set,
+      sampler_cache: int,
+      devices: list,
+      rollout_devices: list,
+  ):
+    """Actor and reference on one fsdp mesh over `devices`; the rollout on that mesh too, or on a mesh of its own
+    over `rollout_devices` when given (Tunix's asynchronous layout: see the module docstring)."""
     self.tunix = tunix
     rl, new_tokens = config.rl, config_new_tokens(config)
     prompt_tokens = config.max_prefill_predict_length
-    devices = np.array(jax.devices())
-    self.mesh = jax.sharding.Mesh(devices.reshape(len(devices), 1), ("fsdp", "tp"))
+    mesh = lambda devices: jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tp"))
+    self.mesh = mesh(devices)
+    rollout_mesh = mesh(rollout_devices) if rollout_devices else self.mesh
+    self.layout = {"actor_and_reference_devices": len(devices), "rollout_devices": len(rollout_devices) or "shared"}
     # No remat: Tunix's remat options break its own vanilla rollout (see the module docstring).
     remat = tunix.llama3.RematConfig.NONE
     self.remat = remat.name
@@ -333,7 +368,7 @@ class Tunix:
         reference=reference,
         tokenizer=self.tokenizer,
         cluster_config=tunix.rl_cluster.ClusterConfig(
-            role_to_mesh={role.ACTOR: self.mesh, role.REFERENCE: self.mesh, role.ROLLOUT: self.mesh},
+            role_to_mesh={role.ACTOR: self.mesh, role.REFERENCE: self.mesh, role.ROLLOUT: rollout_mesh},
             rollout_engine="vanilla",
             offload_to_cpu=False,
             training_config=tunix.rl_cluster.RLTrainingConfig(
@@ -366,6 +401,7 @@ class Tunix:
     cluster.generate = self._timed("rollout", cluster.generate)
     cluster.get_ref_per_token_logps = self._timed("reference", cluster.get_ref_per_token_logps, wait=True)
     cluster.update_actor = self._timed("train", cluster.update_actor)
+    cluster.sync_weights = self._timed("sync", cluster.sync_weights)  # only with a rollout mesh of its own
     compute_rewards = self.learner._compute_rewards  # pylint: disable=protected-access
     self.learner._compute_rewards = self._timed("reward", compute_rewards)
     self._sampler = None
@@ -388,7 +424,8 @@ class Tunix:
     start = time.perf_counter()
     self.learner.train([self.batch])
     call = time.perf_counter() - start
-    return {"step": self.times["train_end"] - start, "call": call} | {part: self.times.get(part, 0.0) for part in PARTS}
+    end = self.times.get("sync_end", self.times["train_end"])  # the rollout's copy of the weights is part of the step
+    return {"step": end - start, "call": call} | {part: self.times.get(part, 0.0) for part in PARTS}
 
   def logps_pass(self, sequences: np.ndarray) -> float:
     """Seconds of one log-probs pass (module docstring) on `sequences` (ours: the same token ids) through Tunix's
@@ -493,7 +530,7 @@ def main(argv):
   output = args.flag("output", "benchmark_peers.json")
   keys = [f"{key}={value}" for name, value in dims.items() for key in DIM_KEYS[name]]
   keys += [
-      f"per_device_batch_size={prompts}",
+      f"per_device_batch_size={prompts / jax.device_count():g}",
       f"rl.num_generations={generations}",
       f"max_prefill_predict_length={prompt_tokens}",
       f"max_target_length={prompt_tokens + new_tokens}",
@@ -525,6 +562,8 @@ def main(argv):
       ours.answers,
       ours.loop.objective.rewards,
       sampler_cache=prompt_tokens + sampler_new_tokens,
+      devices=jax.devices()[: flag("tunix_devices", jax.device_count())],
+      rollout_devices=jax.devices()[jax.device_count() - flag("tunix_rollout_devices", 0) :],
   )
   sides = {"ours": ours, "tunix": peer}
   grpo = {name: [] for name in sides}
@@ -581,6 +620,7 @@ def main(argv):
           "learning_rate": config.learning_rate,
           "temperature": config.decode_sampling_temperature,
           "tunix_syncs_weights": peer.should_sync_weights,
+          "off_policy_steps": config.rl.off_policy_steps,
       },
       "sampler": {
           "prompts": sampler_prompts,
@@ -592,6 +632,7 @@ def main(argv):
       "tunix": results["tunix"],
       "ratios": ratios,
       "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+      "layout": {"ours": ours.layout(), "tunix": peer.layout},
       "repeats": repeats,
       "times_s": {name: {"grpo": grpo[name], "sampler": full[name], "one_token_request": one[name]} for name in sides},
   }
@@ -603,7 +644,7 @@ def main(argv):
       f"{peer.num_params / 1e6:.2f}M Tunix {row['tunix_version']}), GRPO {prompts} prompts x G={generations}, "
       f"{prompt_tokens} + {new_tokens} tokens, "
       f"beta {config.rl.grpo_beta}; sampler {sampler_prompts} x {sampler_samples} x {sampler_new_tokens} new tokens; "
-      f"medians of {repeats}, {row['devices']}"
+      f"medians of {repeats}, {row['devices']}; devices ours {row['layout']['ours']}, Tunix {peer.layout}"
   )
   print(f"| {'measure':<24} | {'ours':>10} | {'Tunix':>10} | {'ours/Tunix':>10} |")
   print(f"| {'-' * 24} | {'-' * 10}:| {'-' * 10}:| {'-' * 10}:|")

@@ -129,6 +129,13 @@ if wanted peers; then
   run peers_tiny "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny.json
   run peers_tiny_ahead "$PEERS" -m benchmarks.peers --repeats=5 --output=peers_tiny_ahead.json "${AHEAD[@]}"
   run peers_benchmark "$PEERS" -m benchmarks.peers --model=benchmark --repeats=7 --output=peers_benchmark.json
+  # Rollouts overlapping training on a device of their own: ours one step ahead; Tunix synchronous on one device,
+  # then with its rollout on a mesh of its own (its asynchronous layout).
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 run peers_tiny_split "$PEERS" -m benchmarks.peers --repeats=7 \
+    --output=peers_tiny_split.json rl.off_policy_steps=1 --tunix_devices=1
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 run peers_tiny_split_tunix_async "$PEERS" -m benchmarks.peers \
+    --repeats=7 --output=peers_tiny_split_tunix_async.json rl.off_policy_steps=1 --tunix_devices=1 \
+    --tunix_rollout_devices=1
   # The peers' tiny GRPO step with one device for the trainer and one for the sampler, ours alone.
   XLA_FLAGS=--xla_force_host_platform_device_count=2 run rollouts_ahead_tiny "$PY" -m benchmarks.rollouts_ahead \
     --repeats=3 --output=rollouts_ahead_tiny.json base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
