@@ -340,6 +340,29 @@ def test_sampling_ahead_lags_one_update_keeps_the_data_order_and_resumes_exactly
     np.testing.assert_allclose([split[s][key] for s in range(6)], [full[s][key] for s in range(6)], rtol=1e-5)
 
 
+def test_sampling_ahead_samples_dynamic_samplings_rounds_before_the_next_steps_rollouts(make_config):
+  """With dynamic sampling a step dispatches the next step's rollouts after its own extra rounds, which would
+  otherwise queue behind them on the sampler's devices: under rl.off_policy_steps=1 each step samples the prompts it
+  samples without sampling ahead. A reward of 1.0 for every completion leaves every group uninformative, so every step
+  samples rl.max_sampling_rounds rounds."""
+  common = (*TINY, 'rl.rewards=["tests.rewards_for_tests:misbehaves"]', "rl.reward_weights=[1.0]", "steps=3")
+  common += ("rl.dynamic_sampling=true", "rl.max_sampling_rounds=2", "eval_interval=0")
+  sampled = {}
+  for name, overrides in (("ahead", AHEAD), ("on_policy", ())):
+    loop = trainer.setup(make_config(*common, *overrides, run_name=name, config_file=GRPO))
+    after_step, rows = loop.objective.after_step, sampled.setdefault(name, [])
+
+    def record(loop, step, metrics, after_step=after_step, rows=rows):
+      rows.append((loop.objective.step_metrics["rl/staleness"], list(loop.objective.rollout_prompts)))
+      after_step(loop, step, metrics)
+
+    loop.objective.after_step = record
+    trainer.train(loop)
+  assert [staleness for staleness, _ in sampled["ahead"]] == [0, 1, 1]
+  assert [prompts for _, prompts in sampled["ahead"]] == [prompts for _, prompts in sampled["on_policy"]]
+  assert all(len(prompts) == 2 * 2 for _, prompts in sampled["on_policy"])  # two rounds of 2 prompts each
+
+
 @pytest.mark.parametrize(
     "fractions, message",
     [

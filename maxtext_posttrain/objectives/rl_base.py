@@ -276,11 +276,13 @@ class RLObjective(Objective):
   def wants_batch(self, loop) -> bool:
     return self.starts_rollout(loop) and loop.step not in self._ahead
 
-  def step_rollouts(self, loop, batch, metrics: dict) -> Rollouts:
+  def step_rollouts(self, loop, batch, metrics: dict, ahead: bool = True) -> Rollouts:
     """This step's rollouts, scored: sampled ahead by an earlier step, else now from `batch`'s prompts. Before
-    waiting for them, dispatches the rollouts of the steps this one samples ahead for (`rl.off_policy_steps`)."""
+    waiting for them, dispatches the next steps' rollouts (`_dispatch_ahead`) unless `ahead` is false: a step that
+    samples more rounds of its own dispatches them after those."""
     dispatched = self._ahead.pop(loop.step, None) or self._dispatch(loop, self.indices(batch), loop.step, 0)
-    self._dispatch_ahead(loop)
+    if ahead:
+      self._dispatch_ahead(loop)
     self.rollout_prompts = list(dispatched.indices)
     return self._score(loop, dispatched, metrics)
 
@@ -297,7 +299,12 @@ class RLObjective(Objective):
   def _dispatch_ahead(self, loop) -> None:
     """Dispatches, with the current weights, the rollouts of each step up to `rl.off_policy_steps` ahead that starts
     a rollout batch, unless the models are saved before it (see the module docstring) or the run ends first. Their
-    prompt batches are drawn from the iterator in step order."""
+    prompt batches are drawn from the iterator in step order.
+
+    A step calls it before its train step updates the weights, as early as it can: before scoring its rollouts, so
+    the next ones decode meanwhile, or, when it samples more rounds of its own (dynamic sampling), after those:
+    the sampler's devices run programs in the order they come, so rounds dispatched after the next step's rollouts
+    would wait for them."""
     for target in range(loop.step + 1, loop.step + self.off_policy_steps + 1):
       if target >= self.config.steps or any(objective_state.due(self.config, s) for s in range(loop.step, target)):
         return
