@@ -81,12 +81,14 @@ can also overlap its rollouts with training, on a mesh of their own:
   and 1 share all devices), then trains while they decode; the step trains on rollouts one update old (the importance
   ratio corrects for it; `rl/rollout_seconds` is then the wait).
 - Tunix with `--tunix_rollout_devices=M`: its rollout runs on the last M devices, its actor and reference on the
-  first `--tunix_devices` (default all). Its learner then prepares rollouts on a thread of its own while the actor
-  trains, but only between the micro-batches of one global step (one here, so nothing overlaps), and copies the
-  weights to the rollout model after every global step; that copy counts in its step. Its rollouts stay on-policy.
+  first `--tunix_devices` (default: all the others). Its learner then prepares rollouts on a thread of its own while
+  the actor trains, but only between the micro-batches of one global step (one here, so nothing overlaps), and copies
+  the weights to the rollout model after every global step; that copy, waited for, counts in its step. Its rollouts
+  stay on-policy.
 On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=2` gives the process two devices (on the same cores):
-ours then trains on one and samples on the other, and `--tunix_devices=1` (with or without `--tunix_rollout_devices=1`)
-gives Tunix the same devices. The prompts per step stay `--prompts`, however many devices there are.
+ours then trains on one and samples on the other; `--tunix_rollout_devices=1` gives Tunix the same split, and
+`--tunix_devices=1` alone runs every Tunix role synchronously on the first device (its faster layout on one device).
+`--prompts` must be a multiple of the device count (MaxText's per-device batch: below 1 it loads a prompt per device).
 
 `--model=tiny` (default) is emb 256, 4 heads x 64, mlp 512, 2 layers, vocab 1024; `--model=benchmark` is the 34.6M
 benchmark model of `benchmarks.harness` (emb 1024, 16 heads x 64, mlp 4096, 2 layers, vocab 512). The dim flags
@@ -272,6 +274,7 @@ class Ours:
     with self.scope():
       return timed_call(lambda: self._logps_step(params, rest, self.batch))
 
+  @property
   def layout(self) -> dict:
     return {
         "trainer_devices": self.loop.mesh.devices.size,
@@ -326,7 +329,11 @@ class Tunix:
     mesh = lambda devices: jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tp"))
     self.mesh = mesh(devices)
     rollout_mesh = mesh(rollout_devices) if rollout_devices else self.mesh
-    self.layout = {"actor_and_reference_devices": len(devices), "rollout_devices": len(rollout_devices) or "shared"}
+    self.layout = {
+        "actor_and_reference_devices": len(devices),
+        "rollout_devices": len(rollout_devices or devices),
+        "shared": not rollout_devices,
+    }
     # No remat: Tunix's remat options break its own vanilla rollout (see the module docstring).
     remat = tunix.llama3.RematConfig.NONE
     self.remat = remat.name
@@ -402,7 +409,13 @@ class Tunix:
     cluster.generate = self._timed("rollout", cluster.generate)
     cluster.get_ref_per_token_logps = self._timed("reference", cluster.get_ref_per_token_logps, wait=True)
     cluster.update_actor = self._timed("train", cluster.update_actor)
-    cluster.sync_weights = self._timed("sync", cluster.sync_weights)  # only with a rollout mesh of its own
+    sync_weights = cluster.sync_weights  # called only with a rollout mesh of its own
+
+    def synced_weights():
+      sync_weights()
+      jax.block_until_ready(nnx.state(cluster.rollout.model()))  # the copies it queued, done
+
+    cluster.sync_weights = self._timed("sync", synced_weights)
     compute_rewards = self.learner._compute_rewards  # pylint: disable=protected-access
     self.learner._compute_rewards = self._timed("reward", compute_rewards)
     self._sampler = None
@@ -529,9 +542,19 @@ def main(argv):
   if sampler_new_tokens < 2:
     raise ValueError("--sampler_new_tokens must be at least 2: the prefill/decode split times 1 new token against it.")
   output = args.flag("output", "benchmark_peers.json")
+  num_devices = jax.device_count()
+  if prompts % num_devices:
+    raise ValueError(f"--prompts={prompts}: a multiple of the {num_devices} devices (MaxText's per-device batch).")
+  rollout_devices = flag("tunix_rollout_devices", 0)
+  tunix_devices = flag("tunix_devices", num_devices - rollout_devices)
+  if not (0 <= rollout_devices < num_devices and 1 <= tunix_devices <= num_devices - rollout_devices):
+    raise ValueError(
+        f"--tunix_devices={tunix_devices} --tunix_rollout_devices={rollout_devices}: Tunix's actor and reference take "
+        f"the first devices (at least 1) and its rollout the last ones, apart, of the {num_devices}."
+    )
   keys = [f"{key}={value}" for name, value in dims.items() for key in DIM_KEYS[name]]
   keys += [
-      f"per_device_batch_size={prompts / jax.device_count():g}",
+      f"per_device_batch_size={prompts // num_devices}",
       f"rl.num_generations={generations}",
       f"max_prefill_predict_length={prompt_tokens}",
       f"max_target_length={prompt_tokens + new_tokens}",
@@ -563,8 +586,8 @@ def main(argv):
       ours.answers,
       ours.loop.objective.rewards,
       sampler_cache=prompt_tokens + sampler_new_tokens,
-      devices=jax.devices()[: flag("tunix_devices", jax.device_count())],
-      rollout_devices=jax.devices()[jax.device_count() - flag("tunix_rollout_devices", 0) :],
+      devices=jax.devices()[:tunix_devices],
+      rollout_devices=jax.devices()[num_devices - rollout_devices :] if rollout_devices else [],
   )
   sides = {"ours": ours, "tunix": peer}
   grpo = {name: [] for name in sides}
@@ -636,7 +659,7 @@ def main(argv):
       "tunix": results["tunix"],
       "ratios": ratios,
       "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-      "layout": {"ours": ours.layout(), "tunix": peer.layout},
+      "layout": {"ours": ours.layout, "tunix": peer.layout},
       "repeats": repeats,
       "times_s": {name: {"grpo": grpo[name], "sampler": full[name], "one_token_request": one[name]} for name in sides},
   }

@@ -87,16 +87,16 @@ class GRPO(RLObjective):
       self.step_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
       return self._batch
     timer, metrics = time.perf_counter(), {"rl/iteration": 0.0}
-    dynamic = self.rl.dynamic_sampling
-    groups = first_round = self._groups(self.step_rollouts(loop, batch, metrics, ahead=not dynamic))
+    more_rounds = self.rl.dynamic_sampling and self.rl.max_sampling_rounds > 1
+    groups = first_round = self._groups(self.step_rollouts(loop, batch, metrics, ahead=not more_rounds))
     num_prompts, rounds = len(groups), 1
-    while dynamic and rounds < self.rl.max_sampling_rounds:
+    while more_rounds and rounds < self.rl.max_sampling_rounds:
       # Every process samples again until each has informative groups for all its prompts (sampling is collective).
       if gathered(np.array([sum(g.informative for g in groups) >= num_prompts])).all():
         break
       groups += self._groups(self.sample(loop, self.indices(loop.train_batches.load_next_batch()), rounds, None))
       rounds += 1
-    if dynamic:
+    if more_rounds:
       self._dispatch_ahead(loop)
     groups, masked = self._select(groups, num_prompts)
     rewards = gathered(np.stack([g.rewards for g in first_round]))  # [prompts of the whole batch, G]

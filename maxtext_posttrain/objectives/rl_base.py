@@ -6,15 +6,16 @@ shaping) and, when `rl.rewards` names `reward_model`, with a frozen reward model
 run's checkpoint, `reward_model_overrides.load_parameters_path`) run on the rollout rows. They differ in what they
 make of the scores: group-relative advantages (GRPO) or a learned critic's GAE (PPO).
 
-Sampling ahead (MaxText's `rl.off_policy_steps` = k >= 1): the rollouts a step trains on may be sampled up to k
-policy updates earlier. At each step the objective dispatches the rollouts of the next steps (those k or fewer ahead
-that start a rollout batch) with the current policy's weights, copied to the rollout mesh, and goes on to train; JAX
-runs the decode program on the sampler's devices (`mesh.trainer_and_rollout_meshes`) while the train step runs on
-the trainer's, and the host scores rewards meanwhile. The importance ratio's old log-probs are the sampler's, so the
-loss corrects for the lag, which each step logs as `rl/staleness`. Nothing is dispatched across a checkpoint: a step
-after which the models are saved samples nothing ahead, so the data iterator saved with a checkpoint has handed out
-exactly the batches of the steps it holds, and a resumed run samples, from the checkpoint's weights, what the
-uninterrupted run sampled (the first step after a checkpoint samples on-policy, staleness 0).
+Sampling ahead (MaxText's `rl.off_policy_steps` = k >= 1): the rollouts a step trains on may be sampled up to k policy
+updates earlier. At each step the objective dispatches the rollouts of the next steps (those k or fewer ahead that
+start a rollout batch) with the current policy's weights, copied to the rollout mesh, before it scores its own (under
+dynamic sampling, after its own extra rounds, which would otherwise queue behind them on the sampler's devices), and
+goes on to train; JAX runs the decode program on the sampler's devices (`mesh.trainer_and_rollout_meshes`) while the
+train step runs on the trainer's, and the host scores rewards meanwhile. The importance ratio's old log-probs are the
+sampler's, so the loss corrects for the lag, which each step logs as `rl/staleness`. Nothing is dispatched across a
+checkpoint: a step after which the models are saved samples nothing ahead, so the data iterator saved with a
+checkpoint has handed out exactly the batches of the steps it holds, and a resumed run samples, from the checkpoint's
+weights, what the uninterrupted run sampled (the first step after a checkpoint samples on-policy, staleness 0).
 """
 
 import dataclasses
