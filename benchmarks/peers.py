@@ -80,14 +80,15 @@ can also overlap its rollouts with training, on a mesh of their own:
   to the sampler's devices (MaxText's `trainer_devices_fraction` / `sampler_devices_fraction`: halves by default; 1
   and 1 share all devices), then trains while they decode; the step trains on rollouts one update old (the importance
   ratio corrects for it; `rl/rollout_seconds` is then the wait).
-- Tunix with `--tunix_rollout_devices=M`: its rollout runs on the last M devices, its actor and reference on the
-  first `--tunix_devices` (default: all the others). Its learner then prepares rollouts on a thread of its own while
-  the actor trains, but only between the micro-batches of one global step (one here, so nothing overlaps), and copies
-  the weights to the rollout model after every global step; that copy, waited for, counts in its step. Its rollouts
-  stay on-policy.
+- Tunix with `--tunix_rollout_devices=M`: its rollout runs on the last M devices, its actor and reference on the first
+  `--tunix_devices` (default: all the others). Its learner then prepares rollouts on a thread of its own while the
+  actor trains, but only between the micro-batches of one global step (one here, so nothing overlaps:
+  `RLLearner._run_all_micro_batch_steps` submits `_prepare_data` for one global step's micro-batches), and copies the
+  weights to the rollout model after every global step (`RLLearner.train`); that copy, waited for, counts in its step.
+  Its rollouts stay on-policy.
 On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=2` gives the process two devices (on the same cores):
 ours then trains on one and samples on the other; `--tunix_rollout_devices=1` gives Tunix the same split, and
-`--tunix_devices=1` alone runs every Tunix role synchronously on the first device (its faster layout on one device).
+`--tunix_devices=1` alone runs every Tunix role synchronously on the first device.
 `--prompts` must be a multiple of the device count (MaxText's per-device batch: below 1 it loads a prompt per device).
 
 `--model=tiny` (default) is emb 256, 4 heads x 64, mlp 512, 2 layers, vocab 1024; `--model=benchmark` is the 34.6M
