@@ -125,7 +125,7 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
         spec.loss, config, train_state.model, params_shardings, data, frozen, trainable
     )
     raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
-    # optax's global norm, the one its clip_by_global_norm computes: XLA computes it once for both. After clipping,
+    # optax's global norm, the one its clip_by_global_norm computes: XLA can share the reduction. After clipping,
     # the norm is the raw one or the threshold clipping scales it to (optax clips where the norm reaches it), so the
     # logged grad_norm needs no pass over the clipped gradients.
     raw_grad_norm = optax.tree.norm(raw_grads)
