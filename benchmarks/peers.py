@@ -672,7 +672,7 @@ def main(argv):
       f"{peer.num_params / 1e6:.2f}M Tunix {row['tunix_version']}), GRPO {prompts} prompts x G={generations}, "
       f"{prompt_tokens} + {new_tokens} tokens, "
       f"beta {config.rl.grpo_beta}; sampler {sampler_prompts} x {sampler_samples} x {sampler_new_tokens} new tokens; "
-      f"medians of {repeats}, {row['devices']}; devices ours {row['layout']['ours']}, Tunix {peer.layout}"
+      f"medians of {repeats}, {row['devices']}; devices ours {row['layout']['ours']}, Tunix {row['layout']['tunix']}"
   )
   print(f"| {'measure':<24} | {'ours':>10} | {'Tunix':>10} | {'ours/Tunix':>10} |")
   print(f"| {'-' * 24} | {'-' * 10}:| {'-' * 10}:| {'-' * 10}:|")

@@ -77,12 +77,18 @@ def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = F
   )
 
 
-def stored_params(path: str) -> dict:
-  """The params tree (shaped metadata, no arrays) of the checkpoint MaxText's `load_parameters_path` would read."""
+def require(path: str, key: str | None = None) -> epath.Path:
+  """The checkpoint directory MaxText's `load_parameters_path` loader reads for `path`; raises ValueError naming
+  `path` (and the `key` that set it) when there is none, before orbax calls a missing directory an unknown layout."""
   root = epath.Path(checkpointing._normalize_checkpoint_root(path))  # pylint: disable=protected-access
   if not root.exists():
-    raise ValueError(f"No checkpoint at {path}.")
-  stored = ocp.metadata(root).metadata.get("params", {})
+    raise ValueError(f"No checkpoint at {path}" + (f" ({key})." if key else "."))
+  return root
+
+
+def stored_params(path: str) -> dict:
+  """The params tree (shaped metadata, no arrays) of the checkpoint MaxText's `load_parameters_path` would read."""
+  stored = ocp.metadata(require(path)).metadata.get("params", {})
   return stored.get("params", stored)
 
 

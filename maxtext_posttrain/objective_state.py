@@ -1,16 +1,19 @@
-"""An objective's host-side state (PPO's adaptive KL coefficient) and the loop's (steps skipped as non-finite), saved
-at the steps the models are saved.
+"""An objective's host-side state (PPO's adaptive KL coefficient, the rollout batch an RL run is part-way through)
+and the loop's (steps skipped as non-finite), saved at the steps the models are saved.
 
-Model weights and optimizer state live in orbax checkpoints; a few floats an objective keeps on the host would be
-lost on a resume, and a resumed run would then differ from an uninterrupted one. They are written as JSON to
-`<run>/objective_state/<step>.json` (atomically: a temporary file renamed) by process 0, before the models' own
-saves at that step, and read back for the step a resumed run continues from.
+Model weights and optimizer state live in orbax checkpoints; what an objective keeps on the host would be lost on a
+resume, and a resumed run would then differ from an uninterrupted one. The state is written as JSON to
+`<run>/objective_state/<step>.json` by process 0, and rows (arrays of this process's training rows: the rest of a
+rollout batch that later steps still train on) to `<step>.rows.<process>.npz` by each process, atomically (a
+temporary file renamed), before the models' own saves at that step, and read back for the step a resumed run
+continues from.
 """
 
 import json
 import os
 
 import jax
+import numpy as np
 from etils import epath
 
 
@@ -26,15 +29,26 @@ def due(config, step: int, final: bool = False) -> bool:
   return final or (step % config.checkpoint_period == 0 and (step > 0 or config.save_checkpoint_on_start))
 
 
-def save(config, step: int, state: dict, final: bool = False) -> None:
-  """Writes `state` for `step` when the models are saved at `step`; nothing for an objective without state."""
-  if not state or not due(config, step, final) or jax.process_index() != 0:
+def _rows_path(config, step: int) -> epath.Path:
+  return _directory(config) / f"{step}.rows.{jax.process_index()}.npz"
+
+
+def save(config, step: int, state: dict, final: bool = False, rows: dict[str, np.ndarray] | None = None) -> None:
+  """Writes `state` (and this process's `rows`, if any) for `step` when the models are saved at `step`; nothing for an
+  objective without state."""
+  if not (state or rows) or not due(config, step, final):
     return
   directory = _directory(config)
   directory.mkdir(parents=True, exist_ok=True)
-  temporary = directory / f".{step}.json.tmp"
-  temporary.write_text(json.dumps(state, indent=1, sort_keys=True))
-  os.replace(temporary, directory / f"{step}.json")
+  if rows:
+    temporary = directory / f".{step}.rows.{jax.process_index()}.npz.tmp"
+    with temporary.open("wb") as f:
+      np.savez(f, **rows)
+    os.replace(temporary, _rows_path(config, step))
+  if state and jax.process_index() == 0:
+    temporary = directory / f".{step}.json.tmp"
+    temporary.write_text(json.dumps(state, indent=1, sort_keys=True))
+    os.replace(temporary, directory / f"{step}.json")
 
 
 def restore(config, start_step: int) -> dict:
@@ -52,6 +66,15 @@ def restore(config, start_step: int) -> dict:
         f"{sorted(p.name for p in directory.iterdir())})."
     )
   return {}
+
+
+def restore_rows(config, step: int) -> dict[str, np.ndarray]:
+  """This process's rows saved at `step`; raises ValueError naming the file when they are missing."""
+  path = _rows_path(config, step)
+  if not path.exists():
+    raise ValueError(f"The objective's state at step {step} names rows this process saved, but {path} is missing.")
+  with path.open("rb") as f, np.load(f) as rows:
+    return {key: rows[key] for key in rows.files}
 
 
 _NONFINITE_STEPS = "loop/nonfinite_steps"

@@ -20,7 +20,9 @@ def main(argv: Sequence[str]) -> None:
   max_utils.print_system_information()
   loop = trainer.setup(config)
   summary = trainer.train(loop)
-  max_logging.log(f"Finished {config.run_name}: steps {summary['start_step']}..{summary['end_step']}")
+  start, end = summary["start_step"], summary["end_step"]
+  trained = f"trained steps {start}..{end - 1}" if end > start else f"no steps left to train (steps={config.steps})"
+  max_logging.log(f"Finished {config.run_name}: {trained}")
 
 
 if __name__ == "__main__":

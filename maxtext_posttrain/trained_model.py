@@ -336,6 +336,9 @@ def build(
     checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
     if resume_at is not None:
       checkpoint_guard.drop_steps_after(checkpoint_manager, resume_at)
+    fresh = checkpoint_manager is None or checkpointing.latest_step(checkpoint_manager) is None
+    if fresh and config.load_parameters_path:  # a fresh run starts from it; a resumed one ignores it, as MaxText does
+      checkpoint_guard.require(config.load_parameters_path, "load_parameters_path")
     try:
       state, state_mesh_shardings, data_iterator, start_step = _restore_or_initialise(
           spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn

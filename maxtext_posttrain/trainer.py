@@ -357,7 +357,8 @@ def _save(loop: Loop, logger: MetricLogger, step: int, final: bool = False) -> N
   this checkpoint starts logging at `step + 1`, so a row still held back when the run was killed would be lost."""
   if objective_state.due(loop.config, step, final):
     logger.flush_buffered()
-  objective_state.save(loop.config, step, objective_state.with_loop_state(loop.objective.host_state(), loop), final)
+    state = objective_state.with_loop_state(loop.objective.host_state(step), loop)
+    objective_state.save(loop.config, step, state, final, loop.objective.host_rows(step))
   models = list(loop.trained.values())
   for model in models[1:] + models[:1]:
     model.save(step, loop.data.train if model is loop.primary else None, final)

@@ -287,9 +287,11 @@ def test_dapo_refills_agreeing_groups_and_raises_the_reward(make_config, tmp_pat
 
 def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_path):
   """A resumed RL run draws the same prompts (grain iterator checkpoint) and the same samples (the sampling key is
-  folded from the step), so its rewards and losses are those of one uninterrupted run."""
+  folded from the step), so its rewards and losses are those of one uninterrupted run. With rl.num_iterations=2 the
+  step-2 checkpoint falls part-way through the batch drawn at step 2: its rows are saved with it, and the resumed
+  step 3 trains on them as the uninterrupted one did (a fresh draw would log a reward there)."""
   common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
-  common += ("async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2")
+  common += ("async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2", "rl.num_iterations=2")
 
   def run(name, *overrides):
     metrics_file = tmp_path / f"{name}.jsonl"
@@ -298,9 +300,14 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_pat
 
   full = run("full", "steps=5")
   run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2; its last checkpoint is step 2's
+  assert (tmp_path / "split" / "objective_state" / "2.rows.0.npz").exists()
   split = run("split", "steps=5")
   assert sorted(split) == sorted(full) == list(range(5))
-  for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm"):
+  assert [split[s]["rl/iteration"] for s in range(5)] == [full[s]["rl/iteration"] for s in range(5)] == [0, 1, 0, 1, 0]
+  for key in ("rl/reward_mean", "rl/completion_length_mean"):  # logged by the steps that draw a batch
+    assert [s for s in range(5) if key in split[s]] == [s for s in range(5) if key in full[s]] == [0, 2, 4], key
+    np.testing.assert_allclose([split[s][key] for s in (0, 2, 4)], [full[s][key] for s in (0, 2, 4)], rtol=1e-5)
+  for key in ("learning/loss", "learning/grad_norm"):
     np.testing.assert_allclose([split[s][key] for s in range(5)], [full[s][key] for s in range(5)], rtol=1e-5)
 
 
@@ -396,6 +403,19 @@ def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_c
     assert rows["ahead"][step]["rl/staleness"] == 0
     for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm", "learning/kl"):
       assert rows["ahead"][step][key] == rows["on_policy"][step][key], (step, key)
+
+
+def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):
+  """rl.off_policy_steps=1 with rl.num_iterations=2: the batch of step 2 is dispatched by step 1 (the last step on
+  step 0's batch), so step 2 trains on rollouts one update old."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *TINY, *CHARACTERS, *AHEAD, "rl.num_iterations=2", "steps=3", "eval_interval=0", f"metrics_file={metrics_file}",
+      config_file=GRPO,
+  )  # fmt: skip
+  run_utils.run(config)
+  rows = _metrics(metrics_file)
+  assert [rows[s].get("rl/staleness") for s in range(3)] == [0.0, None, 1.0]
 
 
 def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):

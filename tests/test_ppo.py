@@ -104,10 +104,13 @@ def test_a_critic_holds_no_output_projection_and_computes_maxtexts_values(make_c
 def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
   """Killed after step 3, in step 2's save between the critic's checkpoint and the policy's (the policy saves last),
   and resumed: the critic's step 2 is dropped, both models, both optimizers and the controller come back from step
-  0, and rewards, policy and value losses and the adaptive KL coefficient equal the uninterrupted run's."""
+  0, and rewards, policy and value losses and the adaptive KL coefficient equal the uninterrupted run's. Each rollout
+  batch is two minibatch steps, so the resumed step 1 trains the second minibatch of step 0's batch, whose rows were
+  saved with step 0's checkpoint; the KL term is in the loss (ppo.kl_penalty=loss), its coefficient a batch column."""
   common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
   common += ("async_checkpointing=false", "learning_rate_schedule_steps=6", "learning_rate=1e-2", "rl.grpo_beta=0.1")
   common += ("ppo.adaptive_kl=true", "ppo.kl_target=0.01", "ppo.kl_horizon=100", "critic_overrides.learning_rate=0.01")
+  common += ("ppo.num_minibatches=2", "ppo.kl_penalty=loss")
 
   def run(name, *overrides):
     metrics_file = tmp_path / f"{name}.jsonl"
@@ -120,16 +123,12 @@ def test_a_resumed_ppo_run_repeats_the_uninterrupted_one(make_config, tmp_path):
   split = run("split", "steps=6")
   assert sorted(int(p.name) for p in (tmp_path / "split" / "critic" / "checkpoints").iterdir()) == [0, 2, 4, 5]
   assert sorted(split) == sorted(full) == list(range(6))
-  coefficients = [full[step]["rl/kl_coef"] for step in range(6)]
-  assert len(set(coefficients)) > 3, coefficients  # the controller moves
-  for key in (
-      "rl/reward_mean",
-      "rl/kl_coef",
-      "rl/explained_variance",
-      "learning/loss",
-      "critic/loss",
-      "critic/grad_norm",
-  ):
+  assert [split[s]["rl/minibatch"] for s in range(6)] == [full[s]["rl/minibatch"] for s in range(6)] == [0, 1] * 3
+  coefficients = [full[step]["rl/kl_coef"] for step in (0, 2, 4)]  # logged by the steps that draw a batch
+  assert len(set(coefficients)) == 3, coefficients  # the controller moves
+  for key in ("rl/reward_mean", "rl/kl_coef", "rl/explained_variance"):
+    assert [split[s].get(key) for s in range(6)] == [full[s].get(key) for s in range(6)], key
+  for key in ("learning/loss", "learning/kl", "critic/loss", "critic/grad_norm"):
     assert [split[s][key] for s in range(6)] == [full[s][key] for s in range(6)], key
 
 

@@ -55,6 +55,11 @@ def test_resume_repeats_the_uninterrupted_loss_sequence(make_config, tmp_path):
   assert summary["start_step"] == summary["end_step"] == 8 and run_utils.losses(tmp_path / "split.jsonl") == split
 
 
+def test_a_missing_starting_checkpoint_is_named_before_anything_is_built(make_config, tmp_path):
+  with pytest.raises(ValueError, match=rf"^No checkpoint at {tmp_path}/nowhere/items \(load_parameters_path\)\.$"):
+    trainer.setup(make_config(f"load_parameters_path={tmp_path}/nowhere/items"))
+
+
 def test_checkpoint_of_another_model_shape_is_refused_untouched(make_config, tmp_path):
   run_utils.run(make_config("steps=1", "eval_interval=0", "async_checkpointing=false", run_name="shape"))
   checkpoints = tmp_path / "shape" / "checkpoints"
@@ -219,23 +224,50 @@ def test_training_stops_at_target_eval_loss(make_config):
   assert all(e["eval/loss"] > 1.0 for step, e in summary["evals"].items() if step < summary["end_step"])
 
 
+_TEACHER = ("teacher_overrides.load_parameters_path=/teacher", "distill_beta=1.0", "distill_layer_indices=[1]")
+
+
 @pytest.mark.parametrize(
-    "config_file, mode, scalars, figures",
+    "config_file, mode, scalars, figures, keys",
     [
-        ("sft.yml", "sft", {"learning/z_loss": 0.0}, {"perplexity": float(np.exp(0.5))}),
+        ("sft.yml", "sft", {"learning/z_loss": 0.0}, {"perplexity": float(np.exp(0.5))}, ()),
         (
             "dpo.yml",
             "dpo",
             {"learning/rewards/accuracy": 0.75, "learning/rewards/margin": 0.25},
             {"reward_accuracy": 0.75, "reward_margin": 0.25},
+            (),
         ),
-        ("grpo.yml", "grpo", {"rl/reward_mean": 0.6, "learning/kl": 0.01}, {"reward": 0.6, "kl": 0.01}),
+        ("grpo.yml", "grpo", {"rl/reward_mean": 0.6, "learning/kl": 0.01}, {"reward": 0.6, "kl": 0.01}, ()),
+        (
+            "grpo.yml",
+            "grpo",
+            {"rl/reward_mean": 0.6, "learning/kl": 0.01, "learning/teacher_kl": 0.2},
+            {"reward": 0.6, "kl": 0.01, "teacher_kl": 0.2},
+            ("rl.teacher_kl_coef=0.5", *_TEACHER[:1]),
+        ),
+        (
+            "distill.yml",
+            "distill",
+            {
+                "learning/ce": 1.0,
+                "learning/divergence": 0.1,
+                "learning/top1_agreement": 0.8,
+                "learning/feature_loss": 0.3,
+            },
+            {"ce": 1.0, "divergence": 0.1, "agreement": 0.8, "feature_loss": 0.3},
+            _TEACHER,
+        ),
     ],
+    ids=["sft", "dpo", "grpo", "grpo_teacher", "distill_layers"],
 )
-def test_the_step_line_shows_each_objectives_own_figures(make_config, monkeypatch, config_file, mode, scalars, figures):
+def test_the_step_line_shows_each_objectives_own_figures(
+    make_config, monkeypatch, config_file, mode, scalars, figures, keys
+):
   """MaxText's per-step line reads `lm_loss: 0.000, perplexity: 0.000` for losses that are no language-model cross
-  entropy; ours follows the loss with the objective's figures (SFT's perplexity is exp of its loss)."""
-  config = make_config("rl.grpo_beta=0.04", "enable_tensorboard=false", config_file=config_file)
+  entropy; ours follows the loss with the objective's figures (SFT's perplexity is exp of its loss), including the
+  loss terms a run switches on (the KL to a teacher, layer transfer's feature loss)."""
+  config = make_config("rl.grpo_beta=0.04", "enable_tensorboard=false", *keys, config_file=config_file)
   objective = objectives.get(mode)(config)
   logger = trainer.MetricLogger(config, lambda step: 1e-3, objective)
   lines = []

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxtext_posttrain import roles as roles_lib
 from maxtext_posttrain.data import pipeline
@@ -114,9 +115,16 @@ class Objective(abc.ABC):
     del loop
     return pipeline.batch_example_indices(batch) if batch is not None else []
 
-  def host_state(self) -> dict[str, Any]:
-    """JSON-able host-side state that a resumed run must get back (saved with each checkpoint)."""
+  def host_state(self, step: int) -> dict[str, Any]:
+    """JSON-able host-side state that a run resumed after `step` must get back (saved with each checkpoint)."""
+    del step
     return {}
+
+  def host_rows(self, step: int) -> dict[str, np.ndarray] | None:
+    """This process's training rows that a run resumed after `step` trains on before it draws new ones (saved with
+    each checkpoint beside `host_state`), or None."""
+    del step
+    return None
 
   def load_host_state(self, state: dict[str, Any]) -> None:
     """Restores what `host_state` returned at the step a resumed run continues from ({} on a fresh run)."""

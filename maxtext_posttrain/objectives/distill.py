@@ -42,6 +42,8 @@ from maxtext_posttrain.peft import lora
 
 ALPHA_KEY = "distill_alpha"
 TEMPERATURE_KEY = "distill_temperature"
+# The layer-transfer loss terms (`layer_transfer`), logged as learning/<name> when the loss has them.
+_TRANSFER = ("feature_loss", "attention_loss")
 
 
 def check_config(config) -> None:
@@ -225,10 +227,11 @@ class Distill(SFT):
     return LossOutput(total=total, weight=weight, metrics={k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
-    """The student's cross entropy on the labels, its divergence from the teacher, and how often their most likely
-    tokens agree."""
-    return {
+    """The student's cross entropy on the labels, its divergence from the teacher, how often their most likely
+    tokens agree, and the layer-transfer terms that are part of the loss (feature, attention)."""
+    figures = {
         "ce": float(scalars["learning/ce"]),
         "divergence": float(scalars["learning/divergence"]),
         "agreement": float(scalars["learning/top1_agreement"]),
     }
+    return figures | {name: float(scalars[f"learning/{name}"]) for name in _TRANSFER if f"learning/{name}" in scalars}

@@ -28,7 +28,7 @@ from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
-from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, ROW_FLOATS, ROW_KEYS, RLObjective, check_cycle, gathered
+from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, ROW_FLOATS, ROW_KEYS, RLObjective, gathered
 from maxtext_posttrain.objectives.rl_base import training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
@@ -62,7 +62,6 @@ class GRPO(RLObjective):
       raise ValueError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
     if rl.force_on_policy_ratio and rl.num_iterations > 1:
       raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")
-    check_cycle(config, rl.num_iterations, f"rl.num_iterations={rl.num_iterations}")
     if rl.grpo_beta > 0:
       self.roles += (roles.reference(),)
       self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)
@@ -70,9 +69,17 @@ class GRPO(RLObjective):
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
     self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false
     self._batch = None  # the rollout batch of the current num_iterations cycle
+    self._resumed_rows = None  # its rows on the host, restored part-way through it, until the first step places them
 
   def starts_rollout(self, loop) -> bool:
-    return self._batch is None or loop.step % self.steps_per_rollout == 0
+    return (self._batch is None and self._resumed_rows is None) or loop.step % self.steps_per_rollout == 0
+
+  def rollout_rows(self) -> dict[str, np.ndarray]:
+    return {key: pipeline.local_rows(value) for key, value in self._batch.items()}
+
+  def resume_rollout(self, rows: dict[str, np.ndarray], rollout_step: int) -> None:
+    del rollout_step
+    self._resumed_rows = rows
 
   def batch_spec(self, train: bool = True) -> dict[str, jax.ShapeDtypeStruct] | None:
     """`rl_base.training_rows` of every prompt's G completions with their advantages (and reference log-probs); no
@@ -84,6 +91,9 @@ class GRPO(RLObjective):
 
   def before_step(self, loop, batch):
     if not self.starts_rollout(loop):  # another iteration on the cycle's rollouts; old log-probs from sampling time
+      if self._batch is None:
+        self._batch, self._resumed_rows = pipeline.process_local_batch(self._resumed_rows, self.config, loop.mesh), None
+      self._dispatch_ahead(loop)
       self.step_metrics = {"rl/iteration": float(loop.step % self.rl.num_iterations)}
       return self._batch
     timer, metrics = time.perf_counter(), {"rl/iteration": 0.0}

@@ -32,7 +32,7 @@ from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
 from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective
-from maxtext_posttrain.objectives.rl_base import check_cycle, gathered, training_rows
+from maxtext_posttrain.objectives.rl_base import gathered, training_rows
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 CRITIC = "critic"
@@ -111,11 +111,6 @@ class PPO(RLObjective):
       )
     self.minibatch_rows = rows // ppo.num_minibatches
     self.steps_per_rollout = rl.num_iterations * ppo.num_minibatches
-    check_cycle(
-        config,
-        self.steps_per_rollout,
-        f"rl.num_iterations x ppo.num_minibatches = {rl.num_iterations} x {ppo.num_minibatches}",
-    )
     if ppo.critic_warmup_steps % self.steps_per_rollout:
       raise ValueError(
           f"ppo.critic_warmup_steps={ppo.critic_warmup_steps} must be a multiple of the {self.steps_per_rollout} steps "
@@ -164,12 +159,19 @@ class PPO(RLObjective):
   def trains(self, role: str, step: int) -> bool:
     return role != roles.POLICY or step >= self.ppo.critic_warmup_steps
 
-  def host_state(self) -> dict[str, Any]:
-    return {"kl_coef": self.kl_controller.state_dict()}
+  def host_state(self, step: int) -> dict[str, Any]:
+    return super().host_state(step) | {"kl_coef": self.kl_controller.state_dict()}
 
   def load_host_state(self, state: dict[str, Any]) -> None:
     if state:
       self.kl_controller.load_state_dict(state["kl_coef"])
+    super().load_host_state(state)
+
+  def rollout_rows(self) -> dict[str, np.ndarray]:
+    return dict(self._rollout)
+
+  def resume_rollout(self, rows: dict[str, np.ndarray], rollout_step: int) -> None:
+    self._rollout, self._rollout_step = rows, rollout_step
 
   def starts_rollout(self, loop) -> bool:
     return self._rollout is None or loop.step % self.steps_per_rollout == 0
@@ -186,6 +188,8 @@ class PPO(RLObjective):
     new_rollout = self.starts_rollout(loop)
     if new_rollout:
       self._sample_rollout(loop, batch)
+    else:
+      self._dispatch_ahead(loop)
     position = loop.step - self._rollout_step
     epoch, minibatch = divmod(position, self.ppo.num_minibatches)
     rows = np.arange(len(self._rollout["inputs"]))  # this process's rollouts: each minibatch takes its share
@@ -248,7 +252,7 @@ class PPO(RLObjective):
     }
     if self.kl_in_loss:
       host[REFERENCE_KEY] = pipeline.local_rows(reference_logps)
-      host[KL_COEF_KEY] = np.full(len(host["inputs"]), self.kl_controller.value, np.float32)
+      host[KL_COEF_KEY] = np.full(host["inputs"].shape, self.kl_controller.value, np.float32)
     stats = {k: float(v) for k, v in stats.items()}
     metrics |= stats | {"rl/kl_coef": self.kl_controller.value}
     if self.use_reference:
@@ -312,8 +316,10 @@ class PPO(RLObjective):
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
     """The rollouts' mean reward, the critic's value loss and the explained variance of its values (on steps that
-    sample), and the KL to the reference when there is one."""
+    sample), the KL to the reference when there is one, and the KL to the teacher under rl.teacher_kl_coef."""
     names = {"reward": "rl/reward_mean", "value_loss": "critic/loss", "explained_var": "rl/explained_variance"}
     if self.use_reference:
       names["kl"] = "rl/kl"
+    if self.rl.teacher_kl_coef > 0:
+      names["teacher_kl"] = "learning/teacher_kl"
     return {name: float(scalars[key]) for name, key in names.items() if key in scalars}

@@ -16,6 +16,11 @@ sampler's, so the loss corrects for the lag, which each step logs as `rl/stalene
 checkpoint: a step after which the models are saved samples nothing ahead, so the data iterator saved with a
 checkpoint has handed out exactly the batches of the steps it holds, and a resumed run samples, from the checkpoint's
 weights, what the uninterrupted run sampled (the first step after a checkpoint samples on-policy, staleness 0).
+
+A rollout batch trained on over several steps (`rl.num_iterations`, PPO's `ppo.num_minibatches`) is usually
+part-way through at a checkpoint: MaxText saves after steps 0, `checkpoint_period`, ..., each the first step of a
+batch when the period is a multiple of the batch's steps. The batch's rows are saved with the objective's state
+(`objective_state`), and a resumed run trains its remaining steps on them, as the uninterrupted run did.
 """
 
 import dataclasses
@@ -47,6 +52,9 @@ ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask",
 ROW_FLOATS = ("old_logps", "advantages")  # float32 columns of the rows; the others are int32
 REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and its role
 REFERENCE_KEY = "reference_logps"  # the reference's log-probs: a column of the rows when the loss has a KL term
+# Host state key: the step whose saved rows hold the rollout batch that the steps after it still train on (None when
+# that step ended its batch).
+ROLLOUT_ROWS = "rollout_rows"
 
 
 def training_rows(
@@ -176,16 +184,6 @@ def check_config(config, min_generations: int) -> None:
     )
 
 
-def check_cycle(config, steps_per_rollout: int, what: str) -> None:
-  """Raises ValueError unless checkpoints fall between rollout batches (every `steps_per_rollout` steps), so that a
-  resumed run samples what the run it continues would have."""
-  if steps_per_rollout > 1 and config.enable_checkpointing and config.checkpoint_period % steps_per_rollout:
-    raise ValueError(
-        f"checkpoint_period={config.checkpoint_period} must be a multiple of {what}, so that every checkpoint "
-        "falls between rollout batches and a resumed run samples what the run it continues would have."
-    )
-
-
 def gathered(values: np.ndarray) -> np.ndarray:
   """Every process's `values` (rows of its part of the batch), concatenated in process order: the whole batch's
   rows, for statistics and decisions all processes must share."""
@@ -276,6 +274,31 @@ class RLObjective(Objective):
 
   def wants_batch(self, loop) -> bool:
     return self.starts_rollout(loop) and loop.step not in self._ahead
+
+  def _continues_rollout(self, step: int) -> bool:
+    """Whether the step after `step` trains on the rollout batch `step` trained on."""
+    return (step + 1) % self.steps_per_rollout != 0
+
+  def host_state(self, step: int) -> dict[str, Any]:
+    if self.steps_per_rollout == 1:
+      return {}
+    return {ROLLOUT_ROWS: step if self._continues_rollout(step) else None}
+
+  def host_rows(self, step: int) -> dict[str, np.ndarray] | None:
+    return self.rollout_rows() if self.steps_per_rollout > 1 and self._continues_rollout(step) else None
+
+  def load_host_state(self, state: dict[str, Any]) -> None:
+    if state.get(ROLLOUT_ROWS) is not None:
+      step = state[ROLLOUT_ROWS]
+      self.resume_rollout(objective_state.restore_rows(self.config, step), step - step % self.steps_per_rollout)
+
+  def rollout_rows(self) -> dict[str, np.ndarray]:
+    """This process's rows of the current rollout batch (what `host_rows` saves part-way through one)."""
+    raise NotImplementedError
+
+  def resume_rollout(self, rows: dict[str, np.ndarray], rollout_step: int) -> None:
+    """Takes `rollout_rows` saved part-way through the rollout batch drawn at `rollout_step` as the current batch."""
+    raise NotImplementedError
 
   def step_rollouts(self, loop, batch, metrics: dict, ahead: bool = True) -> Rollouts:
     """This step's rollouts, scored: sampled ahead by an earlier step, else now from `batch`'s prompts. Before
@@ -424,9 +447,10 @@ class RLObjective(Objective):
     return self.rl.teacher_kl_coef * total, {"teacher_kl": policy_gradient.aggregate(kl, mask, mean_mode)[0]}
 
   def headline_metrics(self, scalars: dict[str, Any]) -> dict[str, float]:
-    """The rollouts' mean shaped reward (absent on steps that sample none), and the KL to the reference when the
-    loss has a KL term."""
+    """The rollouts' mean shaped reward (absent on steps that sample none), the KL to the reference when the loss has
+    a KL term, and the KL to the teacher when it has that (`rl.teacher_kl_coef`)."""
     names = {"reward": "rl/reward_mean"} | ({"kl": "learning/kl"} if self.rl.grpo_beta > 0 else {})
+    names |= {"teacher_kl": "learning/teacher_kl"} if self.rl.teacher_kl_coef > 0 else {}
     return {name: float(scalars[key]) for name, key in names.items() if key in scalars}
 
   def evaluate(self, loop) -> dict[str, float]:
