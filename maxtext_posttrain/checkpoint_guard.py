@@ -25,6 +25,7 @@ from maxtext.common import checkpointing
 from maxtext.utils import max_logging
 from maxtext.common import train_state_nnx
 from maxtext_posttrain import cli
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.peft import adapter_checkpoint
 
 _MAX_LISTED = 8
@@ -82,7 +83,7 @@ def require(path: str, key: str | None = None) -> epath.Path:
   `path` (and the `key` that set it) when there is none, before orbax calls a missing directory an unknown layout."""
   root = epath.Path(checkpointing._normalize_checkpoint_root(path))  # pylint: disable=protected-access
   if not root.exists():
-    raise ValueError(f"No checkpoint at {path}" + (f" ({key})." if key else "."))
+    raise config_lib.ConfigError(f"No checkpoint at {path}" + (f" ({key})." if key else "."))
   return root
 
 

@@ -3,8 +3,9 @@
 A bad key, value or file is the commonest failure, and a user should not have to dig it out of a traceback through
 MaxText and pydantic. `run` runs an absl `main`; when it raises, the last line printed is `<command>: error: ...`,
 one line (a pydantic validation error becomes `key=value: what is wrong`). Errors raised while the config is read
-(`config.initialize`: unknown keys, bad values, missing files) and `Failure`s print that line alone; any other error
-prints its traceback first, since it may be a bug worth reporting.
+(`config.initialize`: unknown keys, bad values, missing files), `config.ConfigError`s (keys that cannot go together,
+found by an objective, a role or the mesh) and `Failure`s print that line alone; any other error prints its traceback
+first, since it may be a bug worth reporting.
 """
 
 import os
@@ -47,7 +48,7 @@ def run(main: Callable[[list[str]], None]) -> None:
   try:
     app.run(main)
   except Exception as error:  # pylint: disable=broad-exception-caught
-    if not isinstance(error, Failure) and not _raised_reading_config(error):
+    if not isinstance(error, (Failure, config_lib.ConfigError)) and not _raised_reading_config(error):
       traceback.print_exc()
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m maxtext_posttrain.train`: its module
     command = spec.name if spec is not None else os.path.basename(sys.argv[0])

@@ -33,6 +33,11 @@ BUNDLED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf
 POSTTRAIN_FILE_TYPES = ("tfds", "jsonl")
 
 
+class ConfigError(ValueError):
+  """Keys that cannot go together, or that name what is not there, found after the config is read (by an objective,
+  a role, the mesh): like an error reading the config, the command line ends it in one line, without a traceback."""
+
+
 class Preference(types.DPO):
   """MaxText's `dpo.*` keys (`algo`, `dpo_beta`, `dpo_label_smoothing`, `orpo_lambda`, `max_prompt_length`) with
   the algorithms and knobs MaxText lacks."""
@@ -410,7 +415,7 @@ def check_override_keys(key: str, overrides: dict) -> None:
   if unknown:
     name, close = unknown[0]
     hint = f"did you mean {' or '.join(repr(f'{key}.{c}') for c in close)}?" if close else "no valid key is close to it."
-    raise ValueError(f"Unknown config key {key}.{name}: {hint}")
+    raise ConfigError(f"Unknown config key {key}.{name}: {hint}")
 
 
 def reinitialize(config, command_line: bool = True, **overrides) -> pyconfig.HyperParameters:

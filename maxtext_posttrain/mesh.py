@@ -18,6 +18,8 @@ from maxtext.common import common_types
 from maxtext.utils import max_utils
 from maxtext.utils import maxtext_utils
 
+from maxtext_posttrain import config as config_lib
+
 
 def _cpu_processes_as_slices(config) -> bool:
   return config.hardware == "cpu" and config.num_slices > 1
@@ -29,7 +31,7 @@ def make_mesh(config, devices=None) -> jax.sharding.Mesh:
   if not _cpu_processes_as_slices(config):
     return maxtext_utils.get_mesh_from_config(config, devices)
   if config.num_slices != jax.process_count():
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"hardware=cpu with num_slices={config.num_slices}: on CPU each process stands for one slice, but this job "
         f"has {jax.process_count()} processes."
     )
@@ -56,21 +58,21 @@ def trainer_and_rollout_meshes(config, separate: bool) -> tuple[jax.sharding.Mes
     mesh = make_mesh(config)
     return mesh, mesh
   if jax.process_count() > 1:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"trainer_devices_fraction={trainer_fraction} and sampler_devices_fraction={sampler_fraction} give the "
         f"sampler devices of its own, but this job has {jax.process_count()} processes, and multi-controller JAX "
         "moves the weights between disjoint device sets of several hosts only experimentally (TPU runtime); set "
         "both to 1 to sample ahead on the trainer's devices."
     )
   if trainer_fraction + sampler_fraction > 1.0:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"trainer_devices_fraction={trainer_fraction} + sampler_devices_fraction={sampler_fraction} > 1: the trainer "
         "and the sampler would share some devices; give them disjoint fractions, or 1 each to share all."
     )
   devices = jax.devices()
   num_trainer, num_sampler = int(len(devices) * trainer_fraction), int(len(devices) * sampler_fraction)
   if num_trainer < 1 or num_sampler < 1:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"trainer_devices_fraction={trainer_fraction} and sampler_devices_fraction={sampler_fraction} of "
         f"{len(devices)} devices leave the trainer {num_trainer} and the sampler {num_sampler}; each needs at least "
         "one (set both to 1 to share the devices)."

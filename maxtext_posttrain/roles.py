@@ -101,7 +101,7 @@ def teacher(config, needed_by: str) -> RoleSpec:
   it. `needed_by` names what asks for it in the error for a missing checkpoint."""
   overrides = dict(config.teacher_overrides)
   if not overrides.get("load_parameters_path"):
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"{needed_by} needs the teacher's weights: set teacher_overrides.load_parameters_path to a checkpoint of the "
         "model that the yml plus teacher_overrides describe."
     )
@@ -142,7 +142,7 @@ def check_same_tokens(config, role, name: str) -> None:
       if getattr(role, key) != getattr(config, key)
   ]
   if differ:
-    raise ValueError(f"Role {name} reads other tokens than the policy: {'; '.join(differ)}.")
+    raise config_lib.ConfigError(f"Role {name} reads other tokens than the policy: {'; '.join(differ)}.")
 
 
 def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Module], nnx.Module]:
@@ -180,7 +180,7 @@ def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.St
     stored = forward.without_output_projection(stored)
   if spec.head == "scalar" and not forward.has_scalar_head(stored):
     if not spec.trained:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"Role {spec.name}: the checkpoint at {path} has no scalar head ({forward.SCALAR_HEAD}); it is not a "
           "reward model's. Train one with posttrain_mode=reward_model."
       )
@@ -252,7 +252,7 @@ def build_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenMode
   if role.load_parameters_path:
     state = load_start_weights(state, role, spec)
   elif spec.head == "scalar":
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"Role {spec.name} reads a scalar head but no checkpoint: set {spec.overrides_key}.load_parameters_path."
     )
   source = role.load_parameters_path or f"the seeded initialisation (init_weights_seed={role.init_weights_seed})"
@@ -276,7 +276,7 @@ def _is_starting_policy(spec: RoleSpec, config) -> bool:
     raise ValueError(f"Role {spec.name} is trained, not frozen.")
   starting_policy = spec.head == "lm" and not spec.overrides
   if starting_policy and spec.in_step and lora.enabled(config):
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"Role {spec.name}: an in-step starting policy under LoRA is not supported: it is the policy's own base, "
         "whose arrays the step donates."
     )
@@ -298,7 +298,7 @@ def abstract_frozen(spec: RoleSpec, config, mesh, copy: bool = False) -> FrozenM
 
 def _starting_policy(spec: RoleSpec, config, mesh, copy: bool) -> FrozenModel:
   if lora.enabled(config) and copy and config.lora.lora_weight_qtype:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"A separate {spec.name} model for QLoRA (lora.lora_weight_qtype={config.lora.lora_weight_qtype}) is not "
         "supported: it would not carry the policy's quantized base."
     )

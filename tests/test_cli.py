@@ -103,8 +103,9 @@ def _last_line(completed) -> str:
 
 
 def test_user_errors_end_in_one_line_at_the_command_line(tmp_path):
-  """A mistyped key, a bad value, a missing config: exit status 1 and a last line that says what is wrong, without
-  MaxText's list of every valid key; an error after the config is read keeps its traceback above that line."""
+  """A mistyped key, a bad value, a missing config, keys that cannot go together: exit status 1 and a last line that
+  says what is wrong, without MaxText's list of every valid key; an error after the run is built keeps its traceback
+  above that line."""
   common = ("run_name=x", f"base_output_directory={tmp_path}")
   typo = _train("sft.yml", *common, "learning_rat=0.1", cwd=tmp_path)
   assert typo.returncode == 1
@@ -132,6 +133,12 @@ def test_user_errors_end_in_one_line_at_the_command_line(tmp_path):
   )
   assert "distill.yml" in bundled and "sft.yml" in bundled
   assert f"bundled config: {', '.join(bundled)}." in _last_line(missing)
+
+  clash = _train("grpo.yml", *common, "rl.loss_algo=gspo", "rl.dual_clip=3.0", cwd=tmp_path)  # found by the objective
+  assert clash.returncode == 1 and "Traceback" not in clash.stderr
+  assert _last_line(clash) == (
+      "maxtext_posttrain.train: error: ConfigError: rl.dual_clip applies to rl.loss_algo=grpo, not gspo."
+  )
 
   data = _train("sft.yml", *common, "grain_file_type=jsonl", "grain_train_files=/nowhere/*.jsonl", cwd=tmp_path)
   assert data.returncode == 1

@@ -95,7 +95,6 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("packing=true",), "set packing=false"),
         (("rl.overlong_buffer_length=32",), "below the generation budget"),
         (("max_target_length=64",), "leaves none"),
-        (("rl.num_iterations=2", "checkpoint_period=5"), "multiple of rl.num_iterations=2"),
         (("rl.use_agentic_rollout=true",), "does not support rl.use_agentic_rollout"),
         (("rl.off_policy_steps=-1",), "rl.off_policy_steps=-1 must be >= 0"),
         (("rl.off_policy_steps=1", "rl.use_rollout_logps=false"), "needs rl.use_rollout_logps=true"),

@@ -158,7 +158,6 @@ def test_critic_warmup_holds_the_policy(make_config, tmp_path):
     "overrides, message",
     [
         (("ppo.num_minibatches=3",), r"ppo.num_minibatches=3 does not divide the 8 rollouts"),
-        (("ppo.num_minibatches=2", "enable_checkpointing=true", "checkpoint_period=3"), "multiple of rl.num_iterations"),
         (("ppo.critic_init=reward_model",), "needs a reward model"),
         (
             ("ppo.critic_warmup_steps=1", "rl.num_iterations=2", "checkpoint_period=2"),

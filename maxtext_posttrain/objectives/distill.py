@@ -51,26 +51,26 @@ def check_config(config) -> None:
   for key in (ALPHA_KEY, f"{ALPHA_KEY}_end"):
     value = getattr(config, key)
     if value is not None and not 0.0 <= value <= 1.0:
-      raise ValueError(f"{key}={value}: the soft term's weight must be in [0, 1].")
+      raise config_lib.ConfigError(f"{key}={value}: the soft term's weight must be in [0, 1].")
   for key in (TEMPERATURE_KEY, f"{TEMPERATURE_KEY}_end"):
     value = getattr(config, key)
     if value is not None and value <= 0.0:
-      raise ValueError(f"{key}={value}: the temperature must be > 0.")
+      raise config_lib.ConfigError(f"{key}={value}: the temperature must be > 0.")
   transfer = layer_transfer.enabled(config) or config.distill_layer_indices
   if transfer and (config.posttrain_mode != "distill" or config.offline_data_dir):
-    raise ValueError(
+    raise config_lib.ConfigError(
         "distill_beta, distill.attention_weight and distill_layer_indices (feature and attention transfer) need the "
         f"teacher's layers, which posttrain_mode={config.posttrain_mode} with offline_data_dir="
         f"{config.offline_data_dir or 'unset'} does not run: use posttrain_mode=distill with the teacher online."
     )
   if config.offline_data_dir and config.posttrain_mode != "distill":
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"offline_data_dir={config.offline_data_dir}: offline teacher files serve posttrain_mode=distill; "
         f"posttrain_mode={config.posttrain_mode} scores samples nobody has seen, with the teacher online."
     )
   top_k = config_lib.distill(config).top_k
   if top_k > config.vocab_size:
-    raise ValueError(f"distill.top_k={top_k} exceeds vocab_size={config.vocab_size}.")
+    raise config_lib.ConfigError(f"distill.top_k={top_k} exceeds vocab_size={config.vocab_size}.")
 
 
 def schedule_values(config, step: int) -> dict[str, float]:
@@ -107,7 +107,7 @@ class Distill(SFT):
     check_config(config)
     self.section = config_lib.distill(config)
     if self.section.on_policy_fraction:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"distill.on_policy_fraction={self.section.on_policy_fraction}: posttrain_mode=distill trains on the "
           "dataset's completions only; posttrain_mode=distill_on_policy samples the student's own."
       )
@@ -137,7 +137,7 @@ class Distill(SFT):
     width = teacher_config.emb_dim
     if config.distill_beta > 0 and self.section.feature_projection == "linear" and width != config.emb_dim:
       if lora.enabled(config):
-        raise ValueError(
+        raise config_lib.ConfigError(
             "distill.feature_projection=linear trains a map beside the student's weights, which LoRA keeps frozen: "
             "use distill.feature_projection=pool, or train the student fully."
         )

@@ -46,7 +46,7 @@ def check_config(config) -> None:
   for key in (distill.ALPHA_KEY, f"{distill.ALPHA_KEY}_end"):
     value = getattr(config, key)
     if value is not None and value != 1.0:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"{key}={value}: posttrain_mode=distill_on_policy trains on the teacher's distributions alone (the student's "
           "samples have no labels); set it to 1."
       )
@@ -60,7 +60,7 @@ def check_config(config) -> None:
   }
   named = [key for key, on in unsupported.items() if on]
   if named:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"posttrain_mode=distill_on_policy does not use {', '.join(named)}: each step samples once and trains once, "
         "anchored by the teacher."
     )

@@ -35,14 +35,14 @@ def check_config(config) -> None:
   dpo = config_lib.preference(config)
   mode = f"posttrain_mode={config.posttrain_mode}"
   if config.packing:
-    raise ValueError(f"{mode} does not pack pairs; set packing=false.")
+    raise config_lib.ConfigError(f"{mode} does not pack pairs; set packing=false.")
   if dpo.max_prompt_length >= config.max_target_length:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"dpo.max_prompt_length={dpo.max_prompt_length} leaves no room for a completion within "
         f"max_target_length={config.max_target_length}."
     )
   if dpo.algo in ("ipo", "orpo") and dpo.dpo_label_smoothing:
-    raise ValueError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={dpo.algo}.")
+    raise config_lib.ConfigError(f"dpo.dpo_label_smoothing applies to dpo and simpo, not dpo.algo={dpo.algo}.")
 
 
 def interleave(batch: dict[str, jax.Array], field: str) -> jax.Array:
@@ -88,7 +88,7 @@ class Preference(Objective):
     self.needs_reference = self.dpo.algo in ("dpo", "ipo")
     self.precompute = self.needs_reference and self.dpo.precompute_reference_logprobs
     if self.precompute and config.eval_interval > 0:
-      raise ValueError(
+      raise config_lib.ConfigError(
           "dpo.precompute_reference_logprobs=true scores the training pairs only, and no reference model is kept for "
           "the held-out pairs of eval_interval > 0: set eval_interval=0, or precompute_reference_logprobs=false."
       )

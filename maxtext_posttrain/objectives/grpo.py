@@ -59,9 +59,11 @@ class GRPO(RLObjective):
     super().__init__(config, min_generations=2)
     rl = self.rl
     if rl.dual_clip is not None and rl.loss_algo != "grpo":
-      raise ValueError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
+      raise config_lib.ConfigError(f"rl.dual_clip applies to rl.loss_algo=grpo, not {rl.loss_algo}.")
     if rl.force_on_policy_ratio and rl.num_iterations > 1:
-      raise ValueError("rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1.")
+      raise config_lib.ConfigError(
+          "rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1."
+      )
     if rl.grpo_beta > 0:
       self.roles += (roles.reference(),)
       self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)

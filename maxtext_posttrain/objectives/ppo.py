@@ -49,7 +49,7 @@ def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, A
   overrides = dict(config.critic_overrides)
   if "load_parameters_path" in overrides:
     if ppo.critic_init != "auto":
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"critic_overrides.load_parameters_path and ppo.critic_init={ppo.critic_init} both say where the critic "
           "starts; set one."
       )
@@ -59,7 +59,7 @@ def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, A
     init = "reward_model" if reward_model is not None else "policy"
   if init == "reward_model":
     if reward_model is None:
-      raise ValueError("ppo.critic_init=reward_model needs a reward model: add reward_model to rl.rewards.")
+      raise config_lib.ConfigError("ppo.critic_init=reward_model needs a reward model: add reward_model to rl.rewards.")
     overrides = dict(reward_model.overrides) | overrides
   else:
     overrides["load_parameters_path"] = config.load_parameters_path if init == "policy" else ""
@@ -105,14 +105,14 @@ class PPO(RLObjective):
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
     rows = config.global_batch_size_to_train_on * rl.num_generations
     if rows % ppo.num_minibatches:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"ppo.num_minibatches={ppo.num_minibatches} does not divide the {rows} rollouts of a step "
           f"(global batch {config.global_batch_size_to_train_on} prompts x rl.num_generations={rl.num_generations})."
       )
     self.minibatch_rows = rows // ppo.num_minibatches
     self.steps_per_rollout = rl.num_iterations * ppo.num_minibatches
     if ppo.critic_warmup_steps % self.steps_per_rollout:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"ppo.critic_warmup_steps={ppo.critic_warmup_steps} must be a multiple of the {self.steps_per_rollout} steps "
           "of a rollout batch, so that the policy starts training on a fresh batch."
       )
@@ -124,7 +124,7 @@ class PPO(RLObjective):
     }
     named = [key for key, set_ in group_keys.items() if set_]
     if named:
-      raise ValueError(
+      raise config_lib.ConfigError(
           f"posttrain_mode=ppo does not use {', '.join(named)}: its advantages are the critic's GAE, its ratio PPO's "
           "per token, over epochs that move the policy off its rollouts."
       )

@@ -129,7 +129,7 @@ def reward_model_role(config) -> roles.RoleSpec:
   """The frozen reward model: a scalar-head model of the run's config plus `reward_model_overrides`."""
   overrides = dict(config.reward_model_overrides)
   if not overrides.get("load_parameters_path"):
-    raise ValueError(
+    raise config_lib.ConfigError(
         "rl.rewards names reward_model but reward_model_overrides.load_parameters_path is not set: point it at the "
         "checkpoint of a posttrain_mode=reward_model run (<run>/checkpoints/<step>/items)."
     )
@@ -144,42 +144,44 @@ def check_config(config, min_generations: int) -> None:
   mode = f"posttrain_mode={config.posttrain_mode}"
   budget = config_lib.max_new_tokens(config)
   if budget < 1:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"{mode} generates max_target_length - max_prefill_predict_length tokens per completion; "
         f"{config.max_target_length} - {config.max_prefill_predict_length} leaves none."
     )
   if rl.overlong_buffer_length >= budget:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"rl.overlong_buffer_length={rl.overlong_buffer_length} must be below the generation budget "
         f"max_target_length - max_prefill_predict_length = {budget} tokens."
     )
   if rl.num_generations < min_generations:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"rl.num_generations={rl.num_generations}: {mode} needs at least {min_generations} completions per prompt."
     )
   if config.packing:
-    raise ValueError(f"{mode} trains on one row per completion; set packing=false.")
+    raise config_lib.ConfigError(f"{mode} trains on one row per completion; set packing=false.")
   if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
-    raise ValueError(f"rl.reward_weights {rl.reward_weights} needs one weight per reward of rl.rewards {rl.rewards}.")
+    raise config_lib.ConfigError(
+        f"rl.reward_weights {rl.reward_weights} needs one weight per reward of rl.rewards {rl.rewards}."
+    )
   if rl.use_agentic_rollout:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
         "samples them ahead of the step that trains on them)."
     )
   if rl.off_policy_steps < 0:
-    raise ValueError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
+    raise config_lib.ConfigError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
   if rl.off_policy_steps and not rl.use_rollout_logps:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"rl.off_policy_steps={rl.off_policy_steps} needs rl.use_rollout_logps=true: the importance ratio corrects "
         "for the lag with the sampler's log-probs; the trainer's re-scoring would give the current policy's (ratio 1)."
     )
   if rl.off_policy_steps and rl.force_on_policy_ratio:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"rl.force_on_policy_ratio=true pins the ratio to 1, which rollouts sampled {rl.off_policy_steps} step(s) "
         "ahead (rl.off_policy_steps) are not."
     )
   if max(config.eval_pass_at_k) > config.eval_samples_per_prompt or min(config.eval_pass_at_k) < 1:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"eval_pass_at_k={config.eval_pass_at_k} needs 1 <= k <= eval_samples_per_prompt={config.eval_samples_per_prompt}."
     )
 
