@@ -29,19 +29,21 @@ class Progress:
     """Logs and returns the progress line for `step` (the number of completed steps); `extra` values follow the
     loss by name. `loss` None: the step trained no primary model (PPO's critic warm-up)."""
     now = time.perf_counter()
-    if self.mark_time is None or step <= self.mark_step:
-      rate_text, eta_text = "rate pending", "ETA pending"
+    done = step >= self.total_steps
+    if self.mark_time is None or step <= self.mark_step:  # no rate yet; at the end, none to give
+      rate_text, eta_text = ("", "done") if done else ("rate pending", "ETA pending")
       self.mark_step, self.mark_time = step, now
     else:
       steps_per_second = (step - self.mark_step) / (now - self.mark_time)
       rate_text = f"{steps_per_second * self.tokens_per_step:,.0f} tokens/s"
-      eta_text = f"ETA {format_seconds((self.total_steps - step) / steps_per_second)}"
+      eta_text = "done" if done else f"ETA {format_seconds((self.total_steps - step) / steps_per_second)}"
+    figures = (rate_text, f"elapsed {format_seconds(self.elapsed())}", eta_text)
     line = (
         f"[{self.label}] step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) "
         + ("warm-up" if loss is None else f"loss {loss:.4f}")
         + "".join(f" {name} {value:.4f}" for name, value in (extra or {}).items())
         + " | "
-        f"{rate_text} | elapsed {format_seconds(self.elapsed())} | {eta_text}"
+        + " | ".join(figure for figure in figures if figure)
     )
     max_logging.log(line)
     return line

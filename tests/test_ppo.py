@@ -170,6 +170,21 @@ def test_impossible_ppo_settings_fail_naming_the_key(make_config, overrides, mes
     ppo.PPO(make_config(*TINY, *overrides, config_file=PPO))
 
 
+@pytest.mark.parametrize(
+    "overrides, source",
+    [
+        (("load_parameters_path=/sft/items",), "/sft/items (ppo.critic_init=auto: policy)"),
+        (("ppo.critic_init=fresh",), "a seeded initialisation (ppo.critic_init=fresh)"),
+        (("critic_overrides.load_parameters_path=/rm/items",), "/rm/items (critic_overrides.load_parameters_path)"),
+    ],
+)
+def test_the_log_says_where_the_critic_starts(make_config, monkeypatch, overrides, source):
+  lines = []
+  monkeypatch.setattr(ppo.max_logging, "log", lines.append)
+  ppo.PPO(make_config(*TINY, *overrides, config_file=PPO))
+  assert f"Role critic: a trained scalar-head model from {source}." in lines
+
+
 def test_a_negative_clip_fails_naming_the_key(make_config):
   with pytest.raises(ValueError, match=r"ppo\.value_clip"):
     make_config(*TINY, "ppo.value_clip=-0.1", config_file=PPO)

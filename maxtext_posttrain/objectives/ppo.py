@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext.utils import max_logging
+
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import roles
@@ -53,6 +55,7 @@ def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, A
           f"critic_overrides.load_parameters_path and ppo.critic_init={ppo.critic_init} both say where the critic "
           "starts; set one."
       )
+    _log_critic_start(overrides, "critic_overrides.load_parameters_path")
     return overrides
   init = ppo.critic_init
   if init == "auto":
@@ -63,7 +66,13 @@ def critic_overrides(config, reward_model: roles.RoleSpec | None) -> dict[str, A
     overrides = dict(reward_model.overrides) | overrides
   else:
     overrides["load_parameters_path"] = config.load_parameters_path if init == "policy" else ""
+  _log_critic_start(overrides, f"ppo.critic_init={ppo.critic_init}" + (f": {init}" if ppo.critic_init == "auto" else ""))
   return overrides
+
+
+def _log_critic_start(overrides: dict[str, Any], why: str) -> None:
+  source = overrides.get("load_parameters_path") or "a seeded initialisation"
+  max_logging.log(f"Role critic: a trained scalar-head model from {source} ({why}).")
 
 
 def _advantages(scores, old_logps, reference_logps, values, mask, kl_coef, *, estimator, in_reward, gamma, lam, whiten):
