@@ -79,7 +79,7 @@ def check_compatible(checkpoint_manager, abstract_state, adapters_only: bool = F
 
 
 def require(path: str, key: str | None = None) -> epath.Path:
-  """The checkpoint directory MaxText's `load_parameters_path` loader reads for `path`; raises ValueError naming
+  """The checkpoint directory MaxText's `load_parameters_path` loader reads for `path`; raises ConfigError naming
   `path` (and the `key` that set it) when there is none, before orbax calls a missing directory an unknown layout."""
   root = epath.Path(checkpointing._normalize_checkpoint_root(path))  # pylint: disable=protected-access
   if not root.exists():
@@ -87,9 +87,10 @@ def require(path: str, key: str | None = None) -> epath.Path:
   return root
 
 
-def stored_params(path: str) -> dict:
-  """The params tree (shaped metadata, no arrays) of the checkpoint MaxText's `load_parameters_path` would read."""
-  stored = ocp.metadata(require(path)).metadata.get("params", {})
+def stored_params(path: str, key: str | None = None) -> dict:
+  """The params tree (shaped metadata, no arrays) of the checkpoint MaxText's `load_parameters_path` would read (`key`:
+  the key that set `path`, for the error when there is none)."""
+  stored = ocp.metadata(require(path, key)).metadata.get("params", {})
   return stored.get("params", stored)
 
 

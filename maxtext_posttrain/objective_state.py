@@ -5,12 +5,13 @@ Model weights and optimizer state live in orbax checkpoints; what an objective k
 resume, and a resumed run would then differ from an uninterrupted one. The state is written as JSON to
 `<run>/objective_state/<step>.json` by process 0, and rows (arrays of this process's training rows: the rest of a
 rollout batch that later steps still train on) to `<step>.rows.<process>.npz` by each process, atomically (a
-temporary file renamed), before the models' own saves at that step, and read back for the step a resumed run
-continues from.
+temporary file renamed, through `epath`, so `gs://` output directories work too), before the models' own saves at that
+step, and read back for the step a resumed run continues from. Rows of steps whose checkpoints the models' checkpoint
+manager no longer keeps are deleted (`prune_rows`); the JSON files are a few bytes and stay.
 """
 
+import io
 import json
-import os
 
 import jax
 import numpy as np
@@ -29,8 +30,17 @@ def due(config, step: int, final: bool = False) -> bool:
   return final or (step % config.checkpoint_period == 0 and (step > 0 or config.save_checkpoint_on_start))
 
 
+_ROWS = ".rows."
+
+
 def _rows_path(config, step: int) -> epath.Path:
-  return _directory(config) / f"{step}.rows.{jax.process_index()}.npz"
+  return _directory(config) / f"{step}{_ROWS}{jax.process_index()}.npz"
+
+
+def _write_atomically(path: epath.Path, data: bytes) -> None:
+  temporary = path.parent / f".{path.name}.tmp"
+  temporary.write_bytes(data)
+  temporary.replace(path)
 
 
 def save(config, step: int, state: dict, final: bool = False, rows: dict[str, np.ndarray] | None = None) -> None:
@@ -41,14 +51,21 @@ def save(config, step: int, state: dict, final: bool = False, rows: dict[str, np
   directory = _directory(config)
   directory.mkdir(parents=True, exist_ok=True)
   if rows:
-    temporary = directory / f".{step}.rows.{jax.process_index()}.npz.tmp"
-    with temporary.open("wb") as f:
-      np.savez(f, **rows)
-    os.replace(temporary, _rows_path(config, step))
+    buffer = io.BytesIO()
+    np.savez(buffer, **rows)
+    _write_atomically(_rows_path(config, step), buffer.getvalue())
   if state and jax.process_index() == 0:
-    temporary = directory / f".{step}.json.tmp"
-    temporary.write_text(json.dumps(state, indent=1, sort_keys=True))
-    os.replace(temporary, directory / f"{step}.json")
+    _write_atomically(directory / f"{step}.json", json.dumps(state, indent=1, sort_keys=True).encode())
+
+
+def prune_rows(config, keep: set[int]) -> None:
+  """Deletes this process's rows of the steps not in `keep` (those whose checkpoints are gone or not yet written)."""
+  directory = _directory(config)
+  if not directory.exists():
+    return
+  for path in directory.glob(f"*{_ROWS}{jax.process_index()}.npz"):
+    if int(path.name.split(".")[0]) not in keep:
+      path.unlink()
 
 
 def restore(config, start_step: int) -> dict:
@@ -63,17 +80,23 @@ def restore(config, start_step: int) -> dict:
   if directory.exists():
     raise ValueError(
         f"Resuming at step {start_step}: the objective's state {path} is missing (saved: "
-        f"{sorted(p.name for p in directory.iterdir())})."
+        f"{sorted(p.name for p in directory.glob('*.json'))})."
     )
   return {}
 
 
-def restore_rows(config, step: int) -> dict[str, np.ndarray]:
-  """This process's rows saved at `step`; raises ValueError naming the file when they are missing."""
+def restore_rows(config, step: int, processes: int) -> dict[str, np.ndarray]:
+  """This process's rows saved at `step` by a job of `processes` processes. Raises ValueError naming the file when
+  they are missing, or the counts when this job has another number of processes (each held its own rows)."""
+  if processes != jax.process_count():
+    raise ValueError(
+        f"Resuming at step {step + 1}, part-way through a rollout batch whose rows {processes} processes saved, with "
+        f"{jax.process_count()}: resume with {processes} processes."
+    )
   path = _rows_path(config, step)
   if not path.exists():
     raise ValueError(f"The objective's state at step {step} names rows this process saved, but {path} is missing.")
-  with path.open("rb") as f, np.load(f) as rows:
+  with np.load(io.BytesIO(path.read_bytes())) as rows:
     return {key: rows[key] for key in rows.files}
 
 

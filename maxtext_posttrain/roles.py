@@ -163,6 +163,11 @@ def model_initializer(config, spec: RoleSpec, mesh) -> tuple[Callable[[], nnx.Mo
   return init_model, abstract_model
 
 
+def starting_checkpoint_key(spec: RoleSpec) -> str:
+  """The key an error about `spec`'s starting checkpoint names: the run's `load_parameters_path`, or the role's."""
+  return f"{spec.overrides_key}.load_parameters_path" if spec.overrides_key else "load_parameters_path"
+
+
 def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.State:
   """`model_state` (a role's params, concrete) with the weights of the role's `load_parameters_path` read over it.
 
@@ -174,7 +179,7 @@ def load_start_weights(model_state: nnx.State, config, spec: RoleSpec) -> nnx.St
   """
   path = config.load_parameters_path
   wanted = model_state.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam), nnx.Not(layer_transfer.FeatureProjection)))
-  stored = checkpoint_guard.stored_params(path)
+  stored = checkpoint_guard.stored_params(path, starting_checkpoint_key(spec))
   stored = {k: v for k, v in stored.items() if k != layer_transfer.PROJECTION}
   if spec.head == "scalar":
     stored = forward.without_output_projection(stored)

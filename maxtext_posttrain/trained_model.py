@@ -267,6 +267,10 @@ class TrainedModel:
   def latest_step(self) -> int | None:
     return None if self.checkpoint_manager is None else checkpointing.latest_step(self.checkpoint_manager)
 
+  def saved_steps(self) -> set[int]:
+    """The steps whose checkpoints the manager keeps (MaxText's `max_num_checkpoints_to_keep` removes older ones)."""
+    return set() if self.checkpoint_manager is None else set(checkpointing.all_steps(self.checkpoint_manager))
+
   def wait_until_finished(self) -> None:
     if self.checkpoint_manager is not None:
       with checkpoint_guard.reporting_save_failures(self.checkpoint_manager, None):
@@ -338,7 +342,7 @@ def build(
       checkpoint_guard.drop_steps_after(checkpoint_manager, resume_at)
     fresh = checkpoint_manager is None or checkpointing.latest_step(checkpoint_manager) is None
     if fresh and config.load_parameters_path:  # a fresh run starts from it; a resumed one ignores it, as MaxText does
-      checkpoint_guard.require(config.load_parameters_path, "load_parameters_path")
+      checkpoint_guard.require(config.load_parameters_path, roles_lib.starting_checkpoint_key(spec))
     try:
       state, state_mesh_shardings, data_iterator, start_step = _restore_or_initialise(
           spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn

@@ -27,6 +27,7 @@ from maxtext.utils import max_logging
 from maxtext.utils import sharding
 
 from maxtext_posttrain import cli
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import manifest
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objective_state
@@ -107,14 +108,19 @@ _UNSUPPORTED = (
     (lambda c: c.shard_optimizer_over_data, "shard_optimizer_over_data (ZeRO-1)"),
     (lambda c: c.enable_diloco, "DiLoCo (enable_diloco)"),
     (lambda c: c.use_qk_clip, "QK-clip (use_qk_clip)"),
+    # MaxText then saves off `checkpoint_period`, where the objective's state (`objective_state.due`) is not saved.
+    (lambda c: c.enable_continuous_checkpointing, "enable_continuous_checkpointing"),
+    (lambda c: c.enable_autocheckpoint, "saves at preemption (enable_autocheckpoint)"),
+    (lambda c: c.enable_emergency_checkpoint, "local checkpoints (enable_emergency_checkpoint)"),
+    (lambda c: c.enable_multi_tier_checkpointing, "local checkpoints (enable_multi_tier_checkpointing)"),
 )
 
 
 def check_supported(config) -> None:
-  """Raises ValueError naming every enabled MaxText training feature that the post-training step lacks."""
+  """Raises ConfigError naming every enabled MaxText training feature that the post-training step lacks."""
   enabled = [name for applies, name in _UNSUPPORTED if applies(config)]
   if enabled:
-    raise ValueError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
+    raise config_lib.ConfigError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
 
 
 def _eval_data_sharding(config, mesh):
@@ -362,6 +368,8 @@ def _save(loop: Loop, logger: MetricLogger, step: int, final: bool = False) -> N
   models = list(loop.trained.values())
   for model in models[1:] + models[:1]:
     model.save(step, loop.data.train if model is loop.primary else None, final)
+  if objective_state.due(loop.config, step, final):
+    objective_state.prune_rows(loop.config, loop.primary.saved_steps() | {step})
 
 
 def train(loop: Loop) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The generic loop with the SFT objective on the bundled arithmetic data and a tiny MaxText model."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from flax import nnx
 from orbax.checkpoint import v1 as ocp
 
 
+from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import objectives
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
@@ -56,7 +58,8 @@ def test_resume_repeats_the_uninterrupted_loss_sequence(make_config, tmp_path):
 
 
 def test_a_missing_starting_checkpoint_is_named_before_anything_is_built(make_config, tmp_path):
-  with pytest.raises(ValueError, match=rf"^No checkpoint at {tmp_path}/nowhere/items \(load_parameters_path\)\.$"):
+  missing = re.escape(f"No checkpoint at {tmp_path}/nowhere/items (load_parameters_path).")
+  with pytest.raises(posttrain_config.ConfigError, match=f"^{missing}$"):
     trainer.setup(make_config(f"load_parameters_path={tmp_path}/nowhere/items"))
 
 

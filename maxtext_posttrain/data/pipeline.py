@@ -27,6 +27,7 @@ from maxtext.input_pipeline import multihost_dataloading
 from maxtext.input_pipeline import tokenizer as maxtext_tokenizer
 from maxtext.utils import max_logging
 from maxtext.utils import sharding as maxtext_sharding
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain.data import sources
 from maxtext_posttrain.data import split_pass
 
@@ -342,17 +343,17 @@ def local_rows(array: jax.Array) -> np.ndarray:
 def check_supported(config):
   """Fails on data settings this pipeline would otherwise ignore."""
   if config.dataset_type != "grain":
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"The post-training pipelines read dataset_type=grain (grain_file_type tfds or jsonl), got dataset_type="
         f"{config.dataset_type}. MaxText's hf SFT pipeline builds chat templates with a Hugging Face tokenizer; "
         "export such data to JSONL with prompt/completion fields instead."
     )
   if config.grain_use_elastic_iterator:
-    raise ValueError("grain_use_elastic_iterator is not supported by the maxtext_posttrain pipelines.")
+    raise config_lib.ConfigError("grain_use_elastic_iterator is not supported by the maxtext_posttrain pipelines.")
   if config.colocated_python_data_input:
-    raise ValueError("colocated_python_data_input is not supported by the maxtext_posttrain pipelines.")
+    raise config_lib.ConfigError("colocated_python_data_input is not supported by the maxtext_posttrain pipelines.")
   if 0 < config.expansion_factor_real_data < 1:
-    raise ValueError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain pipelines.")
+    raise config_lib.ConfigError("expansion_factor_real_data < 1 is not supported by the maxtext_posttrain pipelines.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,8 +52,8 @@ ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask",
 ROW_FLOATS = ("old_logps", "advantages")  # float32 columns of the rows; the others are int32
 REWARD_MODEL = "reward_model"  # the name of the reward model in rl.rewards, and its role
 REFERENCE_KEY = "reference_logps"  # the reference's log-probs: a column of the rows when the loss has a KL term
-# Host state key: the step whose saved rows hold the rollout batch that the steps after it still train on (None when
-# that step ended its batch).
+# Host state key: {"step": the saved step, "processes": the job's process count} when that step's rows hold the rollout
+# batch the steps after it still train on (each process saved its own), None when the step ended its batch.
 ROLLOUT_ROWS = "rollout_rows"
 
 
@@ -284,15 +284,17 @@ class RLObjective(Objective):
   def host_state(self, step: int) -> dict[str, Any]:
     if self.steps_per_rollout == 1:
       return {}
-    return {ROLLOUT_ROWS: step if self._continues_rollout(step) else None}
+    rows = {"step": step, "processes": jax.process_count()} if self._continues_rollout(step) else None
+    return {ROLLOUT_ROWS: rows}
 
   def host_rows(self, step: int) -> dict[str, np.ndarray] | None:
     return self.rollout_rows() if self.steps_per_rollout > 1 and self._continues_rollout(step) else None
 
   def load_host_state(self, state: dict[str, Any]) -> None:
     if state.get(ROLLOUT_ROWS) is not None:
-      step = state[ROLLOUT_ROWS]
-      self.resume_rollout(objective_state.restore_rows(self.config, step), step - step % self.steps_per_rollout)
+      step, processes = state[ROLLOUT_ROWS]["step"], state[ROLLOUT_ROWS]["processes"]
+      rows = objective_state.restore_rows(self.config, step, processes)
+      self.resume_rollout(rows, step - step % self.steps_per_rollout)
 
   def rollout_rows(self) -> dict[str, np.ndarray]:
     """This process's rows of the current rollout batch (what `host_rows` saves part-way through one)."""
@@ -330,7 +332,8 @@ class RLObjective(Objective):
     A step calls it before its train step updates the weights, as early as it can: before scoring its rollouts, so
     the next ones decode meanwhile, or, when it samples more rounds of its own (dynamic sampling), after those:
     the sampler's devices run programs in the order they come, so rounds dispatched after the next step's rollouts
-    would wait for them."""
+    would wait for them. Steps that train on an earlier rollout batch call it too, so that a batch of several steps
+    can be sampled during the last of its predecessor's."""
     for target in range(loop.step + 1, loop.step + self.off_policy_steps + 1):
       if target >= self.config.steps or any(objective_state.due(self.config, s) for s in range(loop.step, target)):
         return

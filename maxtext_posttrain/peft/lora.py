@@ -35,6 +35,7 @@ from maxtext.utils import lora_utils
 from maxtext.utils import max_logging
 
 from maxtext_posttrain import checkpoint_guard
+from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import layer_transfer
 
@@ -53,27 +54,29 @@ def module_path_regex(config) -> str:
 
 
 def validate_config(config) -> None:
-  """Raises ValueError for `lora.*` settings that would train nothing or that the loop cannot honour."""
+  """Raises ConfigError for `lora.*` settings that would train nothing or that the loop cannot honour."""
   lora = config.lora
   if lora.lora_restore_path and not enabled(config):
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"lora.lora_restore_path={lora.lora_restore_path} is set but the policy carries no adapters "
         f"(lora.enable_lora={lora.enable_lora}, lora_roles={list(config.lora_roles)})."
     )
   if not lora.enable_lora:
     return
   if config.lora_input_adapters_path:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"lora_input_adapters_path={config.lora_input_adapters_path} is MaxText's loader of serving adapters, under "
         "which no adapters would train. Start from stored adapters with lora.lora_restore_path."
     )
   unknown = sorted(set(config.lora_roles) - set(TRAINED_ROLES))
   if unknown:
-    raise ValueError(f"lora_roles {unknown}: adapters apply to trained roles only, one of {list(TRAINED_ROLES)}.")
+    raise config_lib.ConfigError(
+        f"lora_roles {unknown}: adapters apply to trained roles only, one of {list(TRAINED_ROLES)}."
+    )
   if lora.lora_rank <= 0:
-    raise ValueError(f"lora.lora_rank must be > 0 when lora.enable_lora=true (got {lora.lora_rank}).")
+    raise config_lib.ConfigError(f"lora.lora_rank must be > 0 when lora.enable_lora=true (got {lora.lora_rank}).")
   if lora.lora_alpha <= 0:
-    raise ValueError(
+    raise config_lib.ConfigError(
         f"lora.lora_alpha must be > 0 (got {lora.lora_alpha}): adapter outputs are scaled by alpha / rank, so 0 "
         "trains nothing. A common choice is lora_alpha = 2 * lora_rank."
     )

@@ -229,13 +229,13 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.strategy not in STRATEGIES:
-      raise ValueError(f"decode_sampling_strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
+      raise config_lib.ConfigError(f"decode_sampling_strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
     if not self.temperature > 0:
-      raise ValueError(f"decode_sampling_temperature must be > 0, got {self.temperature}.")
+      raise config_lib.ConfigError(f"decode_sampling_temperature must be > 0, got {self.temperature}.")
     if self.strategy in ("topk", "composite") and self.top_k < 1:
-      raise ValueError(f"decode_sampling_top_k must be >= 1 for {self.strategy}, got {self.top_k}.")
+      raise config_lib.ConfigError(f"decode_sampling_top_k must be >= 1 for {self.strategy}, got {self.top_k}.")
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"decode_sampling_nucleus_p (top_p) must be in (0, 1], got {self.top_p}.")
+      raise config_lib.ConfigError(f"decode_sampling_nucleus_p (top_p) must be in (0, 1], got {self.top_p}.")
 
   def draw(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
     """One token per row of `logits` [rows, vocab], row i drawn with `keys[i]`.
