@@ -340,15 +340,12 @@ def build(
     checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
     if resume_at is not None:
       checkpoint_guard.drop_steps_after(checkpoint_manager, resume_at)
-    fresh = checkpoint_manager is None or checkpointing.latest_step(checkpoint_manager) is None
-    if fresh and config.load_parameters_path:  # a fresh run starts from it; a resumed one ignores it, as MaxText does
-      checkpoint_guard.require(config.load_parameters_path, roles_lib.starting_checkpoint_key(spec))
     try:
       state, state_mesh_shardings, data_iterator, start_step = _restore_or_initialise(
           spec, config, mesh, checkpoint_manager, data_iterator, abstract_state, init_state_fn
       )
       break
-    except checkpoint_guard.CheckpointRefused:
+    except (checkpoint_guard.CheckpointRefused, config_lib.ConfigError):
       raise
     except Exception as error:  # pylint: disable=broad-exception-caught
       # Raises naming the step unless resume_readable_checkpoint sets that step aside; then the next newest is tried.
@@ -393,6 +390,8 @@ def _restore_or_initialise(spec, config, mesh, checkpoint_manager, data_iterator
   setup_config = config
   if adapters:
     setup_config = lora.prepare_start(config, checkpoint_manager, abstract_state, resuming)
+  if not resuming and config.load_parameters_path:  # a resumed run ignores it, as MaxText does
+    checkpoint_guard.require(config.load_parameters_path, roles_lib.starting_checkpoint_key(spec))
   if own_start:
     setup_config = config_lib.with_overrides(setup_config, load_parameters_path="")
   state, _, state_mesh_shardings, data_iterator, _ = maxtext_utils.setup_training_state(
