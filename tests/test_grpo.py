@@ -102,11 +102,16 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("rl.dual_clip=3", "rl.loss_algo=gspo"), "dual_clip applies to rl.loss_algo=grpo"),
         (("rl.reward_weights=[1.0]",), "one weight per reward"),
         (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
+        (
+            ('rl.rewards=["no_such_module:fn"]', "rl.reward_weights=[1.0]"),
+            r"rl.rewards=\['no_such_module:fn'\]: Reward 'no_such_module:fn': cannot import module 'no_such_module'",
+        ),
     ],
 )
 def test_bad_rl_settings_fail_naming_the_key(make_config, overrides, message):
-  """The GRPO objective checks its rl.* keys when the loop builds it, before any model or data."""
-  with pytest.raises(ValueError, match=message):
+  """The GRPO objective checks its rl.* keys when the loop builds it, before any model or data; the command line
+  prints these errors in one line (ConfigError)."""
+  with pytest.raises(config_lib.ConfigError, match=message):
     grpo.GRPO(make_config(*overrides, config_file=GRPO))
 
 
@@ -288,19 +293,33 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_pat
   """A resumed RL run draws the same prompts (grain iterator checkpoint) and the same samples (the sampling key is
   folded from the step), so its rewards and losses are those of one uninterrupted run. With rl.num_iterations=2 the
   step-2 checkpoint falls part-way through the batch drawn at step 2: its rows are saved with it, and the resumed
-  step 3 trains on them as the uninterrupted one did (a fresh draw would log a reward there)."""
+  step 3 trains on them as the uninterrupted one did (a fresh draw would log a reward there), and names their prompts
+  as its examples (what a non-finite step reports)."""
   common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
   common += ("async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2", "rl.num_iterations=2")
+  examples = {}  # by run name: each step's examples, as a non-finite step names them
 
   def run(name, *overrides):
     metrics_file = tmp_path / f"{name}.jsonl"
-    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO))
+    loop = trainer.setup(
+        make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO)
+    )
+    before_step, steps = loop.objective.before_step, examples.setdefault(name, {})
+
+    def recording(loop, batch):
+      batch = before_step(loop, batch)
+      steps[loop.step] = loop.objective.step_examples(loop, batch)
+      return batch
+
+    loop.objective.before_step = recording
+    trainer.train(loop)
     return _metrics(metrics_file)
 
   full = run("full", "steps=5")
   run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2; its last checkpoint is step 2's
   assert (tmp_path / "split" / "objective_state" / "2.rows.0.npz").exists()
   split = run("split", "steps=5")
+  assert examples["split"] == examples["full"] and examples["full"][3] == examples["full"][2] != []
   assert sorted(split) == sorted(full) == list(range(5))
   assert [split[s]["rl/iteration"] for s in range(5)] == [full[s]["rl/iteration"] for s in range(5)] == [0, 1, 0, 1, 0]
   for key in ("rl/reward_mean", "rl/completion_length_mean"):  # logged by the steps that draw a batch

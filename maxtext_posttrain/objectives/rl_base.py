@@ -55,6 +55,7 @@ REFERENCE_KEY = "reference_logps"  # the reference's log-probs: a column of the 
 # Host state key: {"step": the saved step, "processes": the job's process count} when that step's rows hold the rollout
 # batch the steps after it still train on (each process saved its own), None when the step ended its batch.
 ROLLOUT_ROWS = "rollout_rows"
+ROLLOUT_PROMPTS = "rollout_prompts"  # saved with the rows: a resumed step that fails names the prompts it trained on
 
 
 def training_rows(
@@ -230,9 +231,12 @@ class RLObjective(Objective):
     # The reward functions; None when the reward model is the only reward.
     self.rewards = None
     if functions or not rl.rewards:
-      self.rewards = rewards_lib.RewardSet(
-          [n for n, _ in functions], [w for _, w in functions], rl.reward_on_error, rl.reward_timeout_seconds
-      )
+      try:
+        self.rewards = rewards_lib.RewardSet(
+            [n for n, _ in functions], [w for _, w in functions], rl.reward_on_error, rl.reward_timeout_seconds
+        )
+      except ValueError as error:  # a reward that does not resolve, or keys that do not fit (see RewardSet)
+        raise config_lib.ConfigError(f"rl.rewards={list(rl.rewards)}: {error}") from error
     self.reward_model_weight = dict(zip(rl.rewards, weights)).get(REWARD_MODEL)
     if self.reward_model_weight is not None:
       self.roles += (reward_model_role(config),)
@@ -288,12 +292,15 @@ class RLObjective(Objective):
     return {ROLLOUT_ROWS: rows}
 
   def host_rows(self, step: int) -> dict[str, np.ndarray] | None:
-    return self.rollout_rows() if self.steps_per_rollout > 1 and self._continues_rollout(step) else None
+    if self.steps_per_rollout == 1 or not self._continues_rollout(step):
+      return None
+    return self.rollout_rows() | {ROLLOUT_PROMPTS: np.asarray(self.rollout_prompts, np.int64)}
 
   def load_host_state(self, state: dict[str, Any]) -> None:
     if state.get(ROLLOUT_ROWS) is not None:
       step, processes = state[ROLLOUT_ROWS]["step"], state[ROLLOUT_ROWS]["processes"]
       rows = objective_state.restore_rows(self.config, step, processes)
+      self.rollout_prompts = [int(i) for i in rows.pop(ROLLOUT_PROMPTS)]
       self.resume_rollout(rows, step - step % self.steps_per_rollout)
 
   def rollout_rows(self) -> dict[str, np.ndarray]:
