@@ -425,15 +425,24 @@ def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_c
 
 def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):
   """rl.off_policy_steps=1 with rl.num_iterations=2: the batch of step 2 is dispatched by step 1 (the last step on
-  step 0's batch), so step 2 trains on rollouts one update old."""
-  metrics_file = tmp_path / "metrics.jsonl"
-  config = make_config(
-      *TINY, *CHARACTERS, *AHEAD, "rl.num_iterations=2", "steps=3", "eval_interval=0", f"metrics_file={metrics_file}",
-      config_file=GRPO,
-  )  # fmt: skip
-  run_utils.run(config)
-  rows = _metrics(metrics_file)
-  assert [rows[s].get("rl/staleness") for s in range(3)] == [0.0, None, 1.0]
+  step 0's batch), so step 2 trains on rollouts one update old; a run resumed from the step-2 checkpoint, part-way
+  through that batch, trains step 3 on its saved rows and samples step 4's batch ahead as the uninterrupted run did."""
+  common = (*TINY, *CHARACTERS, *AHEAD, "rl.num_iterations=2", "eval_interval=0", "enable_checkpointing=true")
+  common += ("checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO))
+    return _metrics(metrics_file)
+
+  full = run("full", "steps=5")
+  assert [full[s].get("rl/staleness") for s in range(5)] == [0.0, None, 1.0, None, 1.0]
+  run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2, part-way through its batch
+  split = run("split", "steps=5")
+  assert [split[s].get("rl/staleness") for s in range(5)] == [0.0, None, 1.0, None, 1.0]
+  for key in ("rl/reward_mean", "learning/loss", "learning/grad_norm", "learning/ratio_mean"):
+    steps = [s for s in range(5) if key in full[s]]
+    np.testing.assert_allclose([split[s][key] for s in steps], [full[s][key] for s in steps], rtol=1e-5, err_msg=key)
 
 
 def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
