@@ -33,6 +33,10 @@ BUNDLED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf
 POSTTRAIN_FILE_TYPES = ("tfds", "jsonl")
 
 
+# rl.dynamic_sampling_metric's scores besides the rewards' own names: the advantages' reward, and the same before shaping.
+SHAPED_REWARD, REWARD_SUM = "shaped_reward", "reward"
+
+
 class ConfigError(ValueError):
   """Keys that cannot go together, or that name what is not there, found after the config is read (by an objective,
   a role, the mesh): like an error reading the config, the command line ends it in one line, without a traceback."""
@@ -115,6 +119,12 @@ class RL(types.RL):
   )
   max_sampling_rounds: int = Field(
       3, ge=1, description="Dynamic sampling: rollout rounds per step at most; unfilled slots are masked out."
+  )
+  dynamic_sampling_metric: str = Field(
+      SHAPED_REWARD,
+      description="Dynamic sampling: the score whose agreement across a group drops it. shaped_reward: the reward the "
+      "advantages see (the weighted rl.rewards sum plus the overlong penalty); reward: that sum without the penalty; "
+      "or the name of one reward in rl.rewards (DAPO's accuracy filter: correctness).",
   )
   overlong_buffer_length: int = Field(
       0,

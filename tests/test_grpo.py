@@ -102,6 +102,7 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("rl.dual_clip=3", "rl.loss_algo=gspo"), "dual_clip applies to rl.loss_algo=grpo"),
         (("rl.reward_weights=[1.0]",), "one weight per reward"),
         (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
+        (("rl.dynamic_sampling_metric=accuracy",), "rl.dynamic_sampling_metric='accuracy': expected 'shaped_reward'"),
         (
             ('rl.rewards=["no_such_module:fn"]', "rl.reward_weights=[1.0]"),
             r"rl.rewards=\['no_such_module:fn'\]: Reward 'no_such_module:fn': cannot import module 'no_such_module'",
@@ -137,12 +138,35 @@ def test_overlong_penalty_ramps_over_the_buffer_in_tokens():
 
 def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(make_config):
   objective = grpo.GRPO(make_config("posttrain_mode=dapo", config_file=GRPO))
-  group = lambda *rewards: grpo._Group([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), np.array(rewards))  # pylint: disable=protected-access
+  group = lambda *rewards: grpo._Group([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), *[np.array(rewards)] * 2)  # pylint: disable=protected-access
   flat, mixed, mixed2 = group(1.0, 1.0), group(0.0, 1.0), group(1.0, 0.5)
   chosen, masked = objective._select([flat, mixed, flat, mixed2], 2)  # pylint: disable=protected-access
   assert chosen == [mixed, mixed2] and masked == 0
   chosen, masked = objective._select([flat, mixed, flat], 3)  # pylint: disable=protected-access
   assert chosen == [mixed, flat, flat] and masked == 2
+
+
+@pytest.mark.parametrize(
+    "metric, kept", [("shaped_reward", False), ("reward", True), ("correctness", False), ("format", True)]
+)
+def test_dynamic_sampling_compares_the_score_its_metric_names(make_config, metric, kept):
+  """rl.dynamic_sampling_metric: the advantages' reward (default), the reward sum before the overlong penalty, or one
+  reward of rl.rewards (DAPO's accuracy filter: correctness). Here both samples are correct, the second well formatted
+  but penalised for its length: correctness and the shaped reward agree (group dropped), format and the sum do not."""
+  objective = grpo.GRPO(
+      make_config("posttrain_mode=dapo", "rl.num_generations=2", f"rl.dynamic_sampling_metric={metric}", config_file=GRPO)
+  )
+  correctness, formatted, penalty = np.array([1.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, -1.0])
+  out = rl_base.Rollouts(
+      prompts=[[1, 5]] * 2,
+      completions=[[6], [7]],
+      logprobs=[np.zeros(1)] * 2,
+      lengths=np.array([1, 1]),
+      rewards=correctness + formatted + penalty,
+      scores={"correctness": correctness, "format": formatted, "reward": correctness + formatted},
+  )
+  [group] = objective._groups(out)  # pylint: disable=protected-access
+  assert group.informative == kept
 
 
 def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):

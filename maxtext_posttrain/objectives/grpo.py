@@ -7,8 +7,8 @@ rl.loss_algo=gspo-token` is MaxText's way of asking for GSPO-token).
 A step, on the host (`before_step`): the prompt iterator yields this step's prompt indices; the rollout sampler (MaxText
 decoding with the KV cache, on the trainer's mesh, reading the policy's weights in place) draws G completions per
 prompt with their log-probs; the rewards score them (plus DAPO's overlong shaping); group advantages follow; with
-dynamic sampling, groups whose rewards all agree are replaced by fresh prompts' groups for up to
-`rl.max_sampling_rounds` rounds; with `rl.grpo_beta` > 0 the frozen reference scores the batch. Rows are
+dynamic sampling, groups whose rewards all agree (`rl.dynamic_sampling_metric`: the shaped reward, the sum before
+shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds; with `rl.grpo_beta` > 0 the frozen reference scores the batch. Rows are
 prompt + completion, one per sample, with the sampler's log-probs as the old policy's. The jitted step then
 differentiates the clipped surrogate (`losses.policy_gradient`). With `rl.num_iterations` = mu > 1 the same
 rollout batch is trained on for mu steps (GRPO's inner iterations), the old log-probs fixed at sampling time.
@@ -43,10 +43,12 @@ class _Group:
   completions: list[list[int]]
   logprobs: list[np.ndarray]
   rewards: np.ndarray  # [G], shaped: the weighted reward sum plus the overlong penalty
+  filter_scores: np.ndarray  # [G], rl.dynamic_sampling_metric's score
 
   @property
   def informative(self) -> bool:
-    return bool(np.any(self.rewards != self.rewards[0]))
+    """Whether dynamic sampling keeps the group: its samples' filter scores do not all agree."""
+    return bool(np.any(self.filter_scores != self.filter_scores[0]))
 
 
 class GRPO(RLObjective):
@@ -137,13 +139,15 @@ class GRPO(RLObjective):
 
   def _groups(self, out) -> list[_Group]:
     """Rollouts of G completions per prompt as one group per prompt."""
-    group_size = self.rl.num_generations
+    group_size, metric = self.rl.num_generations, self.rl.dynamic_sampling_metric
+    filter_scores = out.rewards if metric == config_lib.SHAPED_REWARD else out.scores[metric]
     return [
         _Group(
             prompt=out.prompts[p * group_size],
             completions=out.completions[p * group_size : (p + 1) * group_size],
             logprobs=out.logprobs[p * group_size : (p + 1) * group_size],
             rewards=out.rewards[p * group_size : (p + 1) * group_size],
+            filter_scores=filter_scores[p * group_size : (p + 1) * group_size],
         )
         for p in range(len(out.prompts) // group_size)
     ]

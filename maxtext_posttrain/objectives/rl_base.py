@@ -169,6 +169,11 @@ def check_config(config, min_generations: int) -> None:
         f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
         "samples them ahead of the step that trains on them)."
     )
+  if rl.dynamic_sampling_metric not in (config_lib.SHAPED_REWARD, config_lib.REWARD_SUM, *rl.rewards):
+    raise config_lib.ConfigError(
+        f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric!r}: expected {config_lib.SHAPED_REWARD!r}, "
+        f"{config_lib.REWARD_SUM!r} or a reward of rl.rewards {list(rl.rewards)}."
+    )
   if rl.off_policy_steps < 0:
     raise config_lib.ConfigError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
   if rl.off_policy_steps and not rl.use_rollout_logps:
@@ -202,6 +207,9 @@ class Rollouts:
   logprobs: list[np.ndarray]
   lengths: np.ndarray
   rewards: np.ndarray  # [rows], shaped: the weighted reward sum plus the overlong penalty
+  # [rows] each: every reward's own score by its name in rl.rewards, and their weighted sum before shaping
+  # (config.REWARD_SUM), the scores rl.dynamic_sampling_metric may name
+  scores: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass
@@ -407,7 +415,8 @@ class RLObjective(Objective):
           "rl/completion_length_max": float(np.max(lengths)),
           "rl/truncated_fraction": float(np.mean(truncated)),
       }
-    return Rollouts(out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped)
+    scores = per_function | {config_lib.REWARD_SUM: total}
+    return Rollouts(out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores)
 
   def reward_model_scores(self, loop, prompts: list[list[int]], completions: list[list[int]]) -> np.ndarray:
     """[rows] float32 scores of the frozen reward model at each completion's last token, on rows laid out as in
