@@ -52,7 +52,9 @@ OBJECTIVES = {
     "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", *SFT_RUN),
     "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3", UNSCANNED),
     "grpo": ("grpo.yml", *RL_KEYS, "rl.grpo_beta=0.04", "steps=3", UNSCANNED),
-    "ppo": ("ppo.yml", *RL_KEYS, "rl.grpo_beta=0.0", "steps=3", UNSCANNED),  # GRPO's run has the reference
+    # GRPO's run has the reference. Two minibatches per rollout batch: the checkpoint after step 0 falls part-way
+    # through one, so each process saves its own rows of it.
+    "ppo": ("ppo.yml", *RL_KEYS, "rl.grpo_beta=0.0", "ppo.num_minibatches=2", "steps=3", UNSCANNED),
     # The teacher is SFT's 2-process checkpoint (a 2-layer model), read by 2 processes and by 1.
     "distill": (
         "distill.yml",
@@ -221,8 +223,13 @@ def test_two_processes_train_as_one_process_with_as_many_devices(objective, obje
   # The split's counts and fingerprint, from a setup pass that each process ran on its half, are one process's.
   manifests = [json.loads((out / "run" / "manifest.json").read_text())["data"] for out in (two, one)]
   assert manifests[0] == manifests[1]
-  if objective in ("grpo", "ppo"):
+  if objective == "grpo":
     assert all(row["rl/reward_mean"] > 0 for row in two_rows.values())
+  if objective == "ppo":  # steps 0 and 2 draw a rollout batch, step 1 trains on the second minibatch of step 0's
+    assert [step for step, row in sorted(two_rows.items()) if "rl/reward_mean" in row] == [0, 2]
+    assert all(two_rows[step]["rl/reward_mean"] > 0 for step in (0, 2))
+    saved = sorted(path.name for path in (two / "run" / "objective_state").glob("0.rows.*"))
+    assert saved == ["0.rows.0.npz", "0.rows.1.npz"], saved
 
 
 def test_no_example_is_read_by_two_processes(tmp_path, tfds_dir):

@@ -13,7 +13,8 @@ token at row column j being the critic's output at column j, i.e. after reading 
 it (rows hold the whole sequence in `inputs` and the next tokens in `targets`). Per-token rewards are the KL
 penalty plus the score on the last token (`ppo.kl_penalty=reward`), GAE turns them into advantages and returns,
 and advantages are whitened over the batch. The rollout batch is then trained on for `rl.num_iterations` epochs of
-`ppo.num_minibatches` shuffled minibatches; each minibatch is one loop step, in which the policy takes a step on
+`ppo.num_minibatches` shuffled minibatches (one permutation of the whole batch's rows per epoch, so that a job of
+several processes trains on the minibatches one process would); each minibatch is one loop step, in which the policy takes a step on
 the clipped surrogate (`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value loss.
 """
 
@@ -158,8 +159,10 @@ class PPO(RLObjective):
       self.kl_controller = ppo_losses.AdaptiveKLController(rl.grpo_beta, ppo.kl_target, ppo.kl_horizon)
     else:
       self.kl_controller = ppo_losses.FixedKLController(rl.grpo_beta)
-    self._rollout = None  # host arrays of the current rollout batch
+    self._rollout = None  # host arrays of this process's rows of the current rollout batch
     self._rollout_step = None
+    self._device_rollout = None  # the whole rollout batch as global arrays, placed at its first minibatch
+    self._take_rows = None  # the jitted gather of a minibatch's rows from it
     self._advantages = jax.jit(
         _advantages,
         static_argnames=("estimator", "in_reward", "gamma", "lam", "whiten"),
@@ -180,7 +183,7 @@ class PPO(RLObjective):
     return dict(self._rollout)
 
   def resume_rollout(self, rows: dict[str, np.ndarray], rollout_step: int) -> None:
-    self._rollout, self._rollout_step = rows, rollout_step
+    self._rollout, self._rollout_step, self._device_rollout = rows, rollout_step, None
 
   def starts_rollout(self, loop) -> bool:
     return self._rollout is None or loop.step % self.steps_per_rollout == 0
@@ -199,18 +202,31 @@ class PPO(RLObjective):
       self._sample_rollout(loop, batch)
     else:
       self._dispatch_ahead(loop)
-    position = loop.step - self._rollout_step
-    epoch, minibatch = divmod(position, self.ppo.num_minibatches)
-    rows = np.arange(len(self._rollout["inputs"]))  # this process's rollouts: each minibatch takes its share
-    if self.ppo.num_minibatches > 1:
-      rows = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(rows)
-    minibatch_rows = self.minibatch_rows // jax.process_count()
-    rows = rows[minibatch * minibatch_rows : (minibatch + 1) * minibatch_rows]
+    epoch, minibatch = divmod(loop.step - self._rollout_step, self.ppo.num_minibatches)
     if not new_rollout:
       self.step_metrics = {"rl/iteration": float(epoch), "rl/minibatch": float(minibatch)}
     else:
       self.step_metrics |= {"rl/iteration": 0.0, "rl/minibatch": 0.0}
-    return pipeline.process_local_batch({k: v[rows] for k, v in self._rollout.items()}, self.config, loop.mesh)
+    if self.ppo.num_minibatches == 1:
+      return pipeline.process_local_batch(self._rollout, self.config, loop.mesh)
+    return self._minibatch(loop, epoch, minibatch)
+
+  def _minibatch(self, loop, epoch: int, minibatch: int) -> dict[str, jax.Array]:
+    """Minibatch `minibatch` of epoch `epoch`: the rows of one seeded permutation of the whole batch's rows (the same
+    on every process), gathered on the devices from the batch's global arrays, so each process's block holds rows
+    other processes sampled too, as one process's would."""
+    if self._device_rollout is None:
+      self._device_rollout = pipeline.process_local_batch(self._rollout, self.config, loop.mesh)
+      shardings = {key: value.sharding for key, value in self._device_rollout.items()}
+      self._take_rows = self._take_rows or jax.jit(
+          lambda rollout, rows: jax.tree.map(lambda x: x[rows], rollout), out_shardings=shardings
+      )
+    order = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(
+        self.minibatch_rows * self.ppo.num_minibatches
+    )
+    rows = order[minibatch * self.minibatch_rows : (minibatch + 1) * self.minibatch_rows].astype(np.int32)
+    replicated = jax.sharding.NamedSharding(loop.mesh, jax.sharding.PartitionSpec())
+    return self._take_rows(self._device_rollout, jax.make_array_from_callback(rows.shape, replicated, rows.__getitem__))
 
   def _sample_rollout(self, loop, batch) -> None:
     """Samples and scores this process's rollouts and computes the batch's advantages and returns (this process's
@@ -274,6 +290,7 @@ class PPO(RLObjective):
         "rl/before_step_seconds": time.perf_counter() - timer,
     }
     self._rollout, self._rollout_step, self.step_metrics = host, loop.step, metrics
+    self._device_rollout = None
 
   def _values(self, model, batch: dict[str, jax.Array]) -> jax.Array:
     return forward.scalars(model, batch["inputs"], batch["positions"], batch["segmentation"])
