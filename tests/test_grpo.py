@@ -103,6 +103,7 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("rl.reward_weights=[1.0]",), "one weight per reward"),
         (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
         (("rl.dynamic_sampling_metric=accuracy",), "rl.dynamic_sampling_metric='accuracy': expected 'shaped_reward'"),
+        (("rl.dynamic_sampling_metric=correctness",), "applies with rl.dynamic_sampling=true"),
         (
             ('rl.rewards=["no_such_module:fn"]', "rl.reward_weights=[1.0]"),
             r"rl.rewards=\['no_such_module:fn'\]: Reward 'no_such_module:fn': cannot import module 'no_such_module'",

@@ -174,6 +174,10 @@ def check_config(config, min_generations: int) -> None:
         f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric!r}: expected {config_lib.SHAPED_REWARD!r}, "
         f"{config_lib.REWARD_SUM!r} or a reward of rl.rewards {list(rl.rewards)}."
     )
+  if rl.dynamic_sampling_metric != config_lib.SHAPED_REWARD and not rl.dynamic_sampling:
+    raise config_lib.ConfigError(
+        f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric} applies with rl.dynamic_sampling=true."
+    )
   if rl.off_policy_steps < 0:
     raise config_lib.ConfigError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
   if rl.off_policy_steps and not rl.use_rollout_logps:
