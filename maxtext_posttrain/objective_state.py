@@ -4,10 +4,11 @@ and the loop's (steps skipped as non-finite), saved at the steps the models are 
 Model weights and optimizer state live in orbax checkpoints; what an objective keeps on the host would be lost on a
 resume, and a resumed run would then differ from an uninterrupted one. The state is written as JSON to
 `<run>/objective_state/<step>.json` by process 0, and rows (arrays of this process's training rows: the rest of a
-rollout batch that later steps still train on) to `<step>.rows.<process>.npz` by each process, atomically (a
-temporary file renamed, through `epath`, so `gs://` output directories work too), before the models' own saves at that
-step, and read back for the step a resumed run continues from. Rows of steps whose checkpoints the models' checkpoint
-manager no longer keeps are deleted (`prune_rows`); the JSON files are a few bytes and stay.
+rollout batch that later steps still train on, with its prompts' indices) to `<step>.rows.<process>.npz` by each
+process, atomically (a temporary file renamed, through `epath`, so `gs://` output directories work too), before the
+models' own saves at that step, and read back for the step a resumed run continues from. Rows of steps whose
+checkpoints the models' checkpoint manager no longer keeps are deleted (`prune_rows`); the JSON files are a few bytes
+and stay.
 """
 
 import io

@@ -342,7 +342,7 @@ def _check_finite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None
 def _stop_nonfinite(loop: Loop, step: int, metrics: dict[str, Any], batch) -> None:
   """Raises NonFiniteStep naming the step, every non-finite figure it logged and the examples it trained on."""
   figures = ", ".join(f"{k}={float(v)}" for k, v in metrics["scalar"].items() if not np.isfinite(float(v)))
-  examples = loop.objective.step_examples(loop, batch)
+  examples = loop.objective.step_examples(step, batch)
   named = ", ".join(map(str, examples[:_MAX_NAMED_EXAMPLES])) + (
       f" and {len(examples) - _MAX_NAMED_EXAMPLES} more" if len(examples) > _MAX_NAMED_EXAMPLES else ""
   )

@@ -139,7 +139,12 @@ def test_overlong_penalty_ramps_over_the_buffer_in_tokens():
 
 def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(make_config):
   objective = grpo.GRPO(make_config("posttrain_mode=dapo", config_file=GRPO))
-  group = lambda *rewards: grpo._Group([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), *[np.array(rewards)] * 2)  # pylint: disable=protected-access
+
+  def group(*rewards):
+    rewards = np.array(rewards)
+    make = grpo._Group  # pylint: disable=protected-access
+    return make([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), rewards, filter_scores=rewards)
+
   flat, mixed, mixed2 = group(1.0, 1.0), group(0.0, 1.0), group(1.0, 0.5)
   chosen, masked = objective._select([flat, mixed, flat, mixed2], 2)  # pylint: disable=protected-access
   assert chosen == [mixed, mixed2] and masked == 0
@@ -183,9 +188,14 @@ def test_sampler_and_trainer_score_every_sampled_token_alike(make_config):
   mask = np.asarray(batch["completion_mask"]) != 0
   difference = np.abs(np.asarray(logps) - np.asarray(batch["old_logps"]))[mask]
   assert mask.sum() >= 8 and difference.max() < 1e-4, difference.max()
-  # The prompts a non-finite step's error would name: those of the rollouts, one per prompt row.
-  prompts = loop.objective.step_examples(loop, batch)
+  # The prompts a non-finite step's error would name (kept by step after it): those of the rollouts, one per prompt.
+  prompts = loop.objective.trained_prompts()
   assert len(prompts) == config.global_batch_size_to_train_on and prompts[-1] < len(loop.objective.train_prompts)
+  # The scores dynamic sampling may compare: each reward's by its name, and their weighted sum before shaping.
+  out = loop.objective.sample(loop, loop.objective.indices(loop.train_batches.load_next_batch()), 0, None)
+  assert sorted(out.scores) == sorted([*config.rl.rewards, config_lib.REWARD_SUM])
+  np.testing.assert_array_equal(out.scores[config_lib.REWARD_SUM], out.rewards)  # no overlong penalty here
+  assert np.ptp(out.rewards) > 0
   # rl.force_on_policy_ratio=true pins the ratio to 1 whatever old log-probs the batch carries.
   forced = config_lib.with_overrides(config, rl=config.rl.model_copy(update={"force_on_policy_ratio": True}))
   stale = batch | {"old_logps": batch["old_logps"] - 1.0}
@@ -318,33 +328,35 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(make_config, tmp_pat
   """A resumed RL run draws the same prompts (grain iterator checkpoint) and the same samples (the sampling key is
   folded from the step), so its rewards and losses are those of one uninterrupted run. With rl.num_iterations=2 the
   step-2 checkpoint falls part-way through the batch drawn at step 2: its rows are saved with it, and the resumed
-  step 3 trains on them as the uninterrupted one did (a fresh draw would log a reward there), and names their prompts
-  as its examples (what a non-finite step reports)."""
+  step 3 trains on them as the uninterrupted one did (a fresh draw would log a reward there). A non-finite step 3
+  names that batch's prompts, restored with the rows, although its error comes a step later, after step 4 has drawn
+  the next batch."""
   common = (*TINY, *CHARACTERS, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0")
   common += ("async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2", "rl.num_iterations=2")
-  examples = {}  # by run name: each step's examples, as a non-finite step names them
 
-  def run(name, *overrides):
+  def run(name, *overrides, poisoned_step=None):
     metrics_file = tmp_path / f"{name}.jsonl"
     loop = trainer.setup(
         make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file=GRPO)
     )
-    before_step, steps = loop.objective.before_step, examples.setdefault(name, {})
-
-    def recording(loop, batch):
-      batch = before_step(loop, batch)
-      steps[loop.step] = loop.objective.step_examples(loop, batch)
-      return batch
-
-    loop.objective.before_step = recording
+    if poisoned_step is not None:  # NaN advantages make that step's loss and gradient non-finite
+      before_step = loop.objective.before_step
+      poison = lambda batch: batch | {"advantages": batch["advantages"] * jnp.nan}
+      loop.objective.before_step = lambda l, b: (lambda out: poison(out) if l.step == poisoned_step else out)(
+          before_step(l, b)
+      )
     trainer.train(loop)
-    return _metrics(metrics_file)
+    return _metrics(metrics_file), loop.objective
 
-  full = run("full", "steps=5")
+  full, full_objective = run("full", "steps=5")
+  trained = {step: full_objective.step_examples(step, None) for step in (3, 4)}  # kept for the steps not yet checked
+  assert trained[3] and trained[4] and trained[3] != trained[4]  # step 4 draws a new batch
   run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2; its last checkpoint is step 2's
   assert (tmp_path / "split" / "objective_state" / "2.rows.0.npz").exists()
-  split = run("split", "steps=5")
-  assert examples["split"] == examples["full"] and examples["full"][3] == examples["full"][2] != []
+  with pytest.raises(trainer.NonFiniteStep, match=r"^Step 3: non-finite") as error:
+    run("split", "steps=5", poisoned_step=3)
+  assert f"trained on prompts [{', '.join(map(str, trained[3]))}] of the train split" in str(error.value)
+  split, _ = run("split", "steps=5")
   assert sorted(split) == sorted(full) == list(range(5))
   assert [split[s]["rl/iteration"] for s in range(5)] == [full[s]["rl/iteration"] for s in range(5)] == [0, 1, 0, 1, 0]
   for key in ("rl/reward_mean", "rl/completion_length_mean"):  # logged by the steps that draw a batch

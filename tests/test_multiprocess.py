@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from maxtext_posttrain.objectives import rl_base
 from tests import run_utils
 from tests import train_in_turn
 
@@ -228,8 +229,11 @@ def test_two_processes_train_as_one_process_with_as_many_devices(objective, obje
   if objective == "ppo":  # steps 0 and 2 draw a rollout batch, step 1 trains on the second minibatch of step 0's
     assert [step for step, row in sorted(two_rows.items()) if "rl/reward_mean" in row] == [0, 2]
     assert all(two_rows[step]["rl/reward_mean"] > 0 for step in (0, 2))
-    saved = sorted(path.name for path in (two / "run" / "objective_state").glob("0.rows.*"))
-    assert saved == ["0.rows.0.npz", "0.rows.1.npz"], saved
+    saved = sorted((two / "run" / "objective_state").glob("0.rows.*"))
+    assert [path.name for path in saved] == ["0.rows.0.npz", "0.rows.1.npz"], saved
+    rows = [np.load(path) for path in saved]  # each process's half of the batch: 2 prompts x 4 completions
+    assert [len(r["inputs"]) for r in rows] == [8, 8] and [len(r[rl_base.ROLLOUT_PROMPTS]) for r in rows] == [2, 2]
+    assert not set(rows[0][rl_base.ROLLOUT_PROMPTS]) & set(rows[1][rl_base.ROLLOUT_PROMPTS])
 
 
 def test_no_example_is_read_by_two_processes(tmp_path, tfds_dir):

@@ -117,7 +117,7 @@ def test_reference_equals_the_starting_policy_and_both_sides_share_one_forward(m
   """At step 0 the loss is log 2 with zero implicit rewards, and the policy runs once per batch over 2B rows."""
   loop = trainer.setup(make_config("steps=1", "eval_interval=0", "enable_checkpointing=false", config_file=DPO))
   batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
-  pairs = loop.objective.step_examples(loop, batch)  # what a non-finite step's error names: the batch's pairs
+  pairs = loop.objective.step_examples(loop.step, batch)  # what a non-finite step's error names: the batch's pairs
   assert (
       len(pairs) == loop.config.global_batch_size_to_train_on
       and pairs[-1] < loop.data.description["train"]["num_examples"]

@@ -109,10 +109,10 @@ class Objective(abc.ABC):
     del role, step
     return True
 
-  def step_examples(self, loop, batch: dict[str, jax.Array] | None) -> list[int]:
-    """The train split's record indices of the examples the current step trained on, on this process (what a
-    non-finite step's error names), read from the batch's `example_index`."""
-    del loop
+  def step_examples(self, step: int, batch: dict[str, jax.Array] | None) -> list[int]:
+    """The train split's record indices of the examples step `step` trained on (its batch: `batch`), on this process
+    (what a non-finite step's error names, a step later), read from the batch's `example_index`."""
+    del step
     return pipeline.batch_example_indices(batch) if batch is not None else []
 
   def host_state(self, step: int) -> dict[str, Any]:

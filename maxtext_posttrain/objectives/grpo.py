@@ -8,10 +8,11 @@ A step, on the host (`before_step`): the prompt iterator yields this step's prom
 decoding with the KV cache, on the trainer's mesh, reading the policy's weights in place) draws G completions per
 prompt with their log-probs; the rewards score them (plus DAPO's overlong shaping); group advantages follow; with
 dynamic sampling, groups whose rewards all agree (`rl.dynamic_sampling_metric`: the shaped reward, the sum before
-shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds; with `rl.grpo_beta` > 0 the frozen reference scores the batch. Rows are
-prompt + completion, one per sample, with the sampler's log-probs as the old policy's. The jitted step then
-differentiates the clipped surrogate (`losses.policy_gradient`). With `rl.num_iterations` = mu > 1 the same
-rollout batch is trained on for mu steps (GRPO's inner iterations), the old log-probs fixed at sampling time.
+shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds; with
+`rl.grpo_beta` > 0 the frozen reference scores the batch. Rows are prompt + completion, one per sample, with the
+sampler's log-probs as the old policy's. The jitted step then differentiates the clipped surrogate
+(`losses.policy_gradient`). With `rl.num_iterations` = mu > 1 the same rollout batch is trained on for mu steps
+(GRPO's inner iterations), the old log-probs fixed at sampling time.
 """
 
 import dataclasses

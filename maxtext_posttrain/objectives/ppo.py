@@ -13,9 +13,10 @@ token at row column j being the critic's output at column j, i.e. after reading 
 it (rows hold the whole sequence in `inputs` and the next tokens in `targets`). Per-token rewards are the KL
 penalty plus the score on the last token (`ppo.kl_penalty=reward`), GAE turns them into advantages and returns,
 and advantages are whitened over the batch. The rollout batch is then trained on for `rl.num_iterations` epochs of
-`ppo.num_minibatches` shuffled minibatches (one permutation of the whole batch's rows per epoch, so that a job of
-several processes trains on the minibatches one process would); each minibatch is one loop step, in which the policy takes a step on
-the clipped surrogate (`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value loss.
+`ppo.num_minibatches` shuffled minibatches (one permutation of the whole batch's rows per epoch, so that several
+processes train on the minibatches one process would); each minibatch is one loop step, in which the policy takes a
+step on the clipped surrogate (`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value
+loss.
 """
 
 import time
@@ -120,6 +121,11 @@ class PPO(RLObjective):
           f"(global batch {config.global_batch_size_to_train_on} prompts x rl.num_generations={rl.num_generations})."
       )
     self.minibatch_rows = rows // ppo.num_minibatches
+    if self.minibatch_rows % jax.process_count():
+      raise config_lib.ConfigError(
+          f"ppo.num_minibatches={ppo.num_minibatches}: minibatches of {self.minibatch_rows} rollouts do not split "
+          f"evenly over the job's {jax.process_count()} processes."
+      )
     self.steps_per_rollout = rl.num_iterations * ppo.num_minibatches
     if ppo.critic_warmup_steps % self.steps_per_rollout:
       raise config_lib.ConfigError(
@@ -161,8 +167,10 @@ class PPO(RLObjective):
       self.kl_controller = ppo_losses.FixedKLController(rl.grpo_beta)
     self._rollout = None  # host arrays of this process's rows of the current rollout batch
     self._rollout_step = None
-    self._device_rollout = None  # the whole rollout batch as global arrays, placed at its first minibatch
-    self._take_rows = None  # the jitted gather of a minibatch's rows from it
+    # With several minibatches: the whole batch's rows and prompts, gathered at its first minibatch, and the prompts
+    # of the rows this process's block of the current minibatch holds.
+    self._batch_rows = self._batch_prompts = None
+    self._minibatch_prompts: list[int] = []
     self._advantages = jax.jit(
         _advantages,
         static_argnames=("estimator", "in_reward", "gamma", "lam", "whiten"),
@@ -183,7 +191,7 @@ class PPO(RLObjective):
     return dict(self._rollout)
 
   def resume_rollout(self, rows: dict[str, np.ndarray], rollout_step: int) -> None:
-    self._rollout, self._rollout_step, self._device_rollout = rows, rollout_step, None
+    self._rollout, self._rollout_step, self._batch_rows = rows, rollout_step, None
 
   def starts_rollout(self, loop) -> bool:
     return self._rollout is None or loop.step % self.steps_per_rollout == 0
@@ -212,21 +220,23 @@ class PPO(RLObjective):
     return self._minibatch(loop, epoch, minibatch)
 
   def _minibatch(self, loop, epoch: int, minibatch: int) -> dict[str, jax.Array]:
-    """Minibatch `minibatch` of epoch `epoch`: the rows of one seeded permutation of the whole batch's rows (the same
-    on every process), gathered on the devices from the batch's global arrays, so each process's block holds rows
-    other processes sampled too, as one process's would."""
-    if self._device_rollout is None:
-      self._device_rollout = pipeline.process_local_batch(self._rollout, self.config, loop.mesh)
-      shardings = {key: value.sharding for key, value in self._device_rollout.items()}
-      self._take_rows = self._take_rows or jax.jit(
-          lambda rollout, rows: jax.tree.map(lambda x: x[rows], rollout), out_shardings=shardings
-      )
+    """This process's block of minibatch `minibatch` of epoch `epoch`: rows of one seeded permutation of the whole
+    batch's rows, the same on every process, so its block holds rows other processes sampled, as one process's would.
+    The batch's rows and prompts are gathered onto every host once per batch (each host then holds the whole batch)."""
+    if self._batch_rows is None:
+      self._batch_rows = {key: gathered(value) for key, value in self._rollout.items()}
+      self._batch_prompts = gathered(np.asarray(self.rollout_prompts, np.int64))
     order = np.random.default_rng([self.rl.sampling_seed, self._rollout_step, epoch]).permutation(
-        self.minibatch_rows * self.ppo.num_minibatches
+        len(self._batch_rows["inputs"])
     )
-    rows = order[minibatch * self.minibatch_rows : (minibatch + 1) * self.minibatch_rows].astype(np.int32)
-    replicated = jax.sharding.NamedSharding(loop.mesh, jax.sharding.PartitionSpec())
-    return self._take_rows(self._device_rollout, jax.make_array_from_callback(rows.shape, replicated, rows.__getitem__))
+    share = self.minibatch_rows // jax.process_count()
+    start = minibatch * self.minibatch_rows + jax.process_index() * share
+    rows = order[start : start + share]
+    self._minibatch_prompts = sorted({int(i) for i in self._batch_prompts[rows // self.rl.num_generations]})
+    return pipeline.process_local_batch({k: v[rows] for k, v in self._batch_rows.items()}, self.config, loop.mesh)
+
+  def trained_prompts(self) -> list[int]:
+    return self._minibatch_prompts if self.ppo.num_minibatches > 1 else super().trained_prompts()
 
   def _sample_rollout(self, loop, batch) -> None:
     """Samples and scores this process's rollouts and computes the batch's advantages and returns (this process's
@@ -290,7 +300,7 @@ class PPO(RLObjective):
         "rl/before_step_seconds": time.perf_counter() - timer,
     }
     self._rollout, self._rollout_step, self.step_metrics = host, loop.step, metrics
-    self._device_rollout = None
+    self._batch_rows = None
 
   def _values(self, model, batch: dict[str, jax.Array]) -> jax.Array:
     return forward.scalars(model, batch["inputs"], batch["positions"], batch["segmentation"])

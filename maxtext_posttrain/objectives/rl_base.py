@@ -55,7 +55,8 @@ REFERENCE_KEY = "reference_logps"  # the reference's log-probs: a column of the 
 # Host state key: {"step": the saved step, "processes": the job's process count} when that step's rows hold the rollout
 # batch the steps after it still train on (each process saved its own), None when the step ended its batch.
 ROLLOUT_ROWS = "rollout_rows"
-ROLLOUT_PROMPTS = "rollout_prompts"  # saved with the rows: a resumed step that fails names the prompts it trained on
+# Saved with the rows: the batch's prompts, which a resumed step that fails names (absent from rows saved before it was).
+ROLLOUT_PROMPTS = "rollout_prompts"
 
 
 def training_rows(
@@ -192,7 +193,8 @@ def check_config(config, min_generations: int) -> None:
     )
   if max(config.eval_pass_at_k) > config.eval_samples_per_prompt or min(config.eval_pass_at_k) < 1:
     raise config_lib.ConfigError(
-        f"eval_pass_at_k={config.eval_pass_at_k} needs 1 <= k <= eval_samples_per_prompt={config.eval_samples_per_prompt}."
+        f"eval_pass_at_k={config.eval_pass_at_k} needs 1 <= k <= "
+        f"eval_samples_per_prompt={config.eval_samples_per_prompt}."
     )
 
 
@@ -247,7 +249,7 @@ class RLObjective(Objective):
         self.rewards = rewards_lib.RewardSet(
             [n for n, _ in functions], [w for _, w in functions], rl.reward_on_error, rl.reward_timeout_seconds
         )
-      except ValueError as error:  # a reward that does not resolve, or keys that do not fit (see RewardSet)
+      except rewards_lib.RewardSpecError as error:
         raise config_lib.ConfigError(f"rl.rewards={list(rl.rewards)}: {error}") from error
     self.reward_model_weight = dict(zip(rl.rewards, weights)).get(REWARD_MODEL)
     if self.reward_model_weight is not None:
@@ -259,6 +261,7 @@ class RLObjective(Objective):
     self.train_prompts = self.eval_prompts = None
     self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
     self.rollout_prompts: list[int] = []  # this process's prompts of the rollout batch being trained on
+    self._trained_prompts: dict[int, list[int]] = {}  # by step, for the steps not yet checked (`step_examples`)
     self.steps_per_rollout = rl.num_iterations  # steps trained on one rollout batch
     self.off_policy_steps = rl.off_policy_steps
     self._ahead: dict[int, _Dispatched] = {}  # rollouts dispatched ahead, by the step that trains on them
@@ -280,6 +283,13 @@ class RLObjective(Objective):
 
   def after_step(self, loop, step, metrics):
     metrics["scalar"].update(self.step_metrics)
+    # The trainer checks a step's figures a step later, when the next step may have drawn new rollouts: kept by step.
+    self._trained_prompts = {s: p for s, p in self._trained_prompts.items() if s >= step - 1}
+    self._trained_prompts[step] = self.trained_prompts()
+
+  def trained_prompts(self) -> list[int]:
+    """The prompts of the rows this process's block of the step just dispatched trains on."""
+    return sorted(set(self.rollout_prompts))
 
   def indices(self, batch) -> list[int]:
     """This process's prompts of the step: the indices in its block of the batch's rows."""
@@ -312,7 +322,7 @@ class RLObjective(Objective):
     if state.get(ROLLOUT_ROWS) is not None:
       step, processes = state[ROLLOUT_ROWS]["step"], state[ROLLOUT_ROWS]["processes"]
       rows = objective_state.restore_rows(self.config, step, processes)
-      self.rollout_prompts = [int(i) for i in rows.pop(ROLLOUT_PROMPTS)]
+      self.rollout_prompts = [int(i) for i in rows.pop(ROLLOUT_PROMPTS, ())]
       self.resume_rollout(rows, step - step % self.steps_per_rollout)
 
   def rollout_rows(self) -> dict[str, np.ndarray]:
@@ -339,9 +349,9 @@ class RLObjective(Objective):
     self.rollout_prompts = (self.rollout_prompts if round_index else []) + list(indices)
     return self._score(loop, self._dispatch(loop, indices, loop.step, round_index), metrics)
 
-  def step_examples(self, loop, batch) -> list[int]:
-    del loop, batch
-    return sorted(set(self.rollout_prompts))
+  def step_examples(self, step: int, batch) -> list[int]:
+    del batch
+    return self._trained_prompts.get(step, [])
 
   def _dispatch_ahead(self, loop) -> None:
     """Dispatches, with the current weights, the rollouts of each step up to `rl.off_policy_steps` ahead that starts

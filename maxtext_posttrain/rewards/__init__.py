@@ -52,6 +52,11 @@ _WORKER_MAIN = (
 )
 
 
+class RewardSpecError(ValueError):
+  """Reward names that do not resolve to functions, or a reward set's arguments that do not fit; an error a user's
+  reward module raises while it is imported is its own."""
+
+
 class RewardError(RuntimeError):
   """A reward function failed or broke the contract: `function` is its spec, `row` the batch row (None: not one)."""
 
@@ -85,16 +90,16 @@ def load(spec: str) -> RewardFn:
     return BUILTINS[spec]
   module_name, colon, attribute = spec.partition(":")
   if not (colon and module_name and attribute):
-    raise ValueError(f"Unknown reward {spec!r}: expected one of {sorted(BUILTINS)} or 'package.module:function'.")
+    raise RewardSpecError(f"Unknown reward {spec!r}: expected one of {sorted(BUILTINS)} or 'package.module:function'.")
   try:
     module = importlib.import_module(module_name)
   except ImportError as error:
-    raise ValueError(f"Reward {spec!r}: cannot import module {module_name!r}: {error}") from error
+    raise RewardSpecError(f"Reward {spec!r}: cannot import module {module_name!r}: {error}") from error
   if not hasattr(module, attribute):
-    raise ValueError(f"Reward {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
+    raise RewardSpecError(f"Reward {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
   function = getattr(module, attribute)
   if not callable(function):
-    raise ValueError(f"Reward {spec!r}: {attribute!r} is not callable ({type(function).__name__}).")
+    raise RewardSpecError(f"Reward {spec!r}: {attribute!r} is not callable ({type(function).__name__}).")
   return function
 
 
@@ -259,15 +264,15 @@ class RewardSet:
   ):
     names, weights = list(names), [float(weight) for weight in weights]
     if len(names) != len(weights):
-      raise ValueError(f"Rewards {names} and weights {weights} differ in length: each reward needs one weight.")
+      raise RewardSpecError(f"Rewards {names} and weights {weights} differ in length: each reward needs one weight.")
     if not names:
-      raise ValueError("A RewardSet needs at least one reward.")
+      raise RewardSpecError("A RewardSet needs at least one reward.")
     if len(set(names)) != len(names):
-      raise ValueError(f"Rewards {names} name a reward twice.")
+      raise RewardSpecError(f"Rewards {names} name a reward twice.")
     if on_error not in ON_ERROR:
-      raise ValueError(f"on_error={on_error!r}: expected one of {ON_ERROR}.")
+      raise RewardSpecError(f"on_error={on_error!r}: expected one of {ON_ERROR}.")
     if timeout_seconds < 0:
-      raise ValueError(f"timeout_seconds={timeout_seconds}: expected > 0 seconds, or 0 for no limit.")
+      raise RewardSpecError(f"timeout_seconds={timeout_seconds}: expected > 0 seconds, or 0 for no limit.")
     self.names, self.weights, self.on_error = names, weights, on_error
     self.functions = [load(name) for name in names]  # loaded here too, so that a bad spec fails at once
     self.errors = dict.fromkeys(names, 0)
