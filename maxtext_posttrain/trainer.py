@@ -425,8 +425,9 @@ def train(loop: Loop) -> dict[str, Any]:
         )
         break
     logger.flush_buffered()  # the last step's row, and its check, before the final save
-    if config.save_checkpoint_on_completion and loop.step > loop.start_step:
-      _save(loop, logger, loop.step - 1, final=True)
+    last = loop.step - 1  # saved already when it fell on the period
+    if config.save_checkpoint_on_completion and loop.step > loop.start_step and not objective_state.due(config, last):
+      _save(loop, logger, last, final=True)
     for model in loop.trained.values():
       model.wait_until_finished()
   except BaseException:
