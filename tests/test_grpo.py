@@ -137,19 +137,32 @@ def test_overlong_penalty_ramps_over_the_buffer_in_tokens():
     shaping.overlong_penalty(lengths, 32, 32)
 
 
-def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(make_config):
-  objective = grpo.GRPO(make_config("posttrain_mode=dapo", config_file=GRPO))
+def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots():
+  # Informative groups first, in sampling order; uninformative ones fill what is left, and are masked out.
+  assert grpo.select([False, True, False, True], 2) == ([1, 3], 0)
+  assert grpo.select([False, True, False, True, True], 2) == ([1, 3], 0)
+  assert grpo.select([False, True, False], 3) == ([1, 0, 2], 2)
 
-  def group(*rewards):
-    rewards = np.array(rewards)
-    make = grpo._Group  # pylint: disable=protected-access
-    return make([1], [[2]] * len(rewards), [np.zeros(1)] * len(rewards), rewards, filter_scores=rewards)
 
-  flat, mixed, mixed2 = group(1.0, 1.0), group(0.0, 1.0), group(1.0, 0.5)
-  chosen, masked = objective._select([flat, mixed, flat, mixed2], 2)  # pylint: disable=protected-access
-  assert chosen == [mixed, mixed2] and masked == 0
-  chosen, masked = objective._select([flat, mixed, flat], 3)  # pylint: disable=protected-access
-  assert chosen == [mixed, flat, flat] and masked == 2
+def test_groups_travel_between_processes_as_they_were_sampled():
+  """Dynamic sampling moves groups between processes as fixed-shape arrays (`_pack`, padded to a number of groups):
+  a group comes out as it went in, whatever its prompt's and completions' lengths, an empty completion included."""
+  make = grpo._Group  # pylint: disable=protected-access
+  logprobs = [[-0.5, -0.25], [-1.0], [], [-0.1, -0.2, -0.3]]
+  logprobs = [np.array(row, np.float32) for row in logprobs]  # as the sampler returns them
+  groups = [
+      make(7, [1, 5, 9], [[3, 4], [6]], logprobs[:2], np.array([1.0, 0.0]), np.array([1.0, 2.0])),
+      make(2, [1], [[], [8, 8, 8]], logprobs[2:], np.array([0.5, 0.5]), np.array([0.0, 0.5])),
+  ]
+  packed = grpo._pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3)  # pylint: disable=protected-access
+  assert {value.shape[0] for value in packed.values()} == {3}
+  for i, group in enumerate(groups):
+    got = grpo._unpack({key: value[i] for key, value in packed.items()})  # pylint: disable=protected-access
+    assert (got.index, got.prompt, got.completions) == (group.index, group.prompt, group.completions)
+    for got_row, want_row in zip(got.logprobs, group.logprobs, strict=True):
+      np.testing.assert_array_equal(got_row, want_row)
+    np.testing.assert_array_equal(got.rewards, group.rewards)
+    np.testing.assert_array_equal(got.filter_scores, group.filter_scores)
 
 
 @pytest.mark.parametrize(
@@ -164,6 +177,7 @@ def test_dynamic_sampling_compares_the_score_its_metric_names(make_config, metri
   )
   correctness, formatted, penalty = np.array([1.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, -1.0])
   out = rl_base.Rollouts(
+      indices=[3],
       prompts=[[1, 5]] * 2,
       completions=[[6], [7]],
       logprobs=[np.zeros(1)] * 2,
@@ -409,20 +423,25 @@ def test_sampling_ahead_samples_dynamic_samplings_rounds_before_the_next_steps_r
   samples rl.max_sampling_rounds rounds."""
   common = (*TINY, 'rl.rewards=["tests.rewards_for_tests:misbehaves"]', "rl.reward_weights=[1.0]", "steps=3")
   common += ("rl.dynamic_sampling=true", "rl.max_sampling_rounds=2", "eval_interval=0")
-  sampled = {}
+  sampled, staleness = {}, {}
   for name, overrides in (("ahead", AHEAD), ("on_policy", ())):
     loop = trainer.setup(make_config(*common, *overrides, run_name=name, config_file=GRPO))
-    after_step, rows = loop.objective.after_step, sampled.setdefault(name, [])
+    objective = loop.objective
+    dispatch, after_step, rows = objective._dispatch, objective.after_step, sampled.setdefault(name, {})
 
-    def record(loop, step, metrics, after_step=after_step, rows=rows):
-      rows.append((loop.objective.step_metrics["rl/staleness"], list(loop.objective.rollout_prompts)))
+    def record_dispatch(loop, indices, step, round_index, copy_params=False, dispatch=dispatch, rows=rows):
+      rows[step, round_index] = list(indices)  # the prompts each round of each step samples, whenever dispatched
+      return dispatch(loop, indices, step, round_index, copy_params)
+
+    def record_step(loop, step, metrics, after_step=after_step, name=name):
+      staleness.setdefault(name, []).append(loop.objective.step_metrics["rl/staleness"])
       after_step(loop, step, metrics)
 
-    loop.objective.after_step = record
+    objective._dispatch, objective.after_step = record_dispatch, record_step  # pylint: disable=protected-access
     trainer.train(loop)
-  assert [staleness for staleness, _ in sampled["ahead"]] == [0, 1, 1]
-  assert [prompts for _, prompts in sampled["ahead"]] == [prompts for _, prompts in sampled["on_policy"]]
-  assert all(len(prompts) == 2 * 2 for _, prompts in sampled["on_policy"])  # two rounds of 2 prompts each
+  assert staleness["ahead"] == [0, 1, 1]
+  assert sampled["ahead"] == sampled["on_policy"]
+  assert sorted(sampled["on_policy"]) == [(step, r) for step in range(3) for r in range(2)]  # 2 rounds per step
 
 
 @pytest.mark.parametrize(

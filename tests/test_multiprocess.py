@@ -40,22 +40,27 @@ UNSCANNED = "scan_layers=false"
 
 # Per objective: the bundled config and the keys that make it a few-second run on random weights. RL rewards use a
 # reward that varies under random weights (completion length), so the advantages and the loss are not all zero.
-RL_KEYS = (
-    "per_device_batch_size=1",
-    "rl.num_generations=4",
-    "max_target_length=80",
-    "rl.rewards=['tests.rewards_for_tests:characters']",
-    "rl.reward_weights=[1.0]",
+RL_KEYS = ("per_device_batch_size=1", "rl.num_generations=4", "max_target_length=80")
+CHARACTERS = ("rl.rewards=['tests.rewards_for_tests:characters']", "rl.reward_weights=[1.0]")
+# GRPO's run samples with DAPO's dynamic sampling, filtered on a reward most groups agree on under random weights (a
+# digit in the completion): its steps sample a second round, and the whole batch's choice moves groups one process
+# sampled into the other's block.
+DYNAMIC_SAMPLING = (
+    "rl.rewards=['tests.rewards_for_tests:characters','tests.rewards_for_tests:contains_digit']",
+    "rl.reward_weights=[1.0,1.0]",
+    "rl.dynamic_sampling=true",
+    "rl.max_sampling_rounds=3",
+    "rl.dynamic_sampling_metric=tests.rewards_for_tests:contains_digit",
 )
 # SFT's run also serves as the uninterrupted run of the kill test: 12 steps, checkpoints every 2.
 SFT_RUN = ("steps=12", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
 OBJECTIVES = {
     "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", *SFT_RUN),
     "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3", UNSCANNED),
-    "grpo": ("grpo.yml", *RL_KEYS, "rl.grpo_beta=0.04", "steps=3", UNSCANNED),
+    "grpo": ("grpo.yml", *RL_KEYS, *DYNAMIC_SAMPLING, "rl.grpo_beta=0.04", "steps=3", UNSCANNED),
     # GRPO's run has the reference. Two minibatches per rollout batch: the checkpoint after step 0 falls part-way
     # through one, so each process saves its own rows of it.
-    "ppo": ("ppo.yml", *RL_KEYS, "rl.grpo_beta=0.0", "ppo.num_minibatches=2", "steps=3", UNSCANNED),
+    "ppo": ("ppo.yml", *RL_KEYS, *CHARACTERS, "rl.grpo_beta=0.0", "ppo.num_minibatches=2", "steps=3", UNSCANNED),
     # The teacher is SFT's 2-process checkpoint (a 2-layer model), read by 2 processes and by 1.
     "distill": (
         "distill.yml",
@@ -226,6 +231,7 @@ def test_two_processes_train_as_one_process_with_as_many_devices(objective, obje
   assert manifests[0] == manifests[1]
   if objective == "grpo":
     assert all(row["rl/reward_mean"] > 0 for row in two_rows.values())
+    assert max(row["rl/sampling_rounds"] for row in two_rows.values()) > 1
   if objective == "ppo":  # steps 0 and 2 draw a rollout batch, step 1 trains on the second minibatch of step 0's
     assert [step for step, row in sorted(two_rows.items()) if "rl/reward_mean" in row] == [0, 2]
     assert all(two_rows[step]["rl/reward_mean"] > 0 for step in (0, 2))

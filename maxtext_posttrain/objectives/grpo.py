@@ -4,15 +4,16 @@
 (`config.RL_PRESETS`) make the variant, so any mode can be adjusted key by key (`posttrain_mode=grpo
 rl.loss_algo=gspo-token` is MaxText's way of asking for GSPO-token).
 
-A step, on the host (`before_step`): the prompt iterator yields this step's prompt indices; the rollout sampler (MaxText
-decoding with the KV cache, on the trainer's mesh, reading the policy's weights in place) draws G completions per
-prompt with their log-probs; the rewards score them (plus DAPO's overlong shaping); group advantages follow; with
+A step, on the host (`before_step`): the prompt iterator yields this step's prompt indices; the rollout sampler
+(MaxText decoding with the KV cache, on the trainer's mesh, reading the policy's weights in place) draws G completions
+per prompt with their log-probs; the rewards score them (plus DAPO's overlong shaping); group advantages follow; with
 dynamic sampling, groups whose rewards all agree (`rl.dynamic_sampling_metric`: the shaped reward, the sum before
-shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds; with
-`rl.grpo_beta` > 0 the frozen reference scores the batch. Rows are prompt + completion, one per sample, with the
-sampler's log-probs as the old policy's. The jitted step then differentiates the clipped surrogate
-(`losses.policy_gradient`). With `rl.num_iterations` = mu > 1 the same rollout batch is trained on for mu steps
-(GRPO's inner iterations), the old log-probs fixed at sampling time.
+shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds (the batch
+chosen from every process's groups, as one process would choose: `GRPO._block`); with `rl.grpo_beta` > 0 the frozen
+reference scores the batch. Rows are prompt + completion, one per sample, with the sampler's log-probs as the old
+policy's. The jitted step then differentiates the clipped surrogate (`losses.policy_gradient`). With
+`rl.num_iterations` = mu > 1 the same rollout batch is trained on for mu steps (GRPO's inner iterations), the old
+log-probs fixed at sampling time.
 """
 
 import dataclasses
@@ -40,6 +41,7 @@ _ALGOS = {"grpo": "grpo", "gspo": "gspo", "gspo-token": "gspo_token"}
 class _Group:
   """One prompt's G samples, scored."""
 
+  index: int  # the prompt's index in the training split
   prompt: list[int]  # as the sampler saw it (left-truncated when longer than max_prefill_predict_length)
   completions: list[list[int]]
   logprobs: list[np.ndarray]
@@ -106,24 +108,25 @@ class GRPO(RLObjective):
     groups = first_round = self._groups(self.step_rollouts(loop, batch, metrics, ahead=not more_rounds))
     num_prompts, rounds = len(groups), 1
     while more_rounds and rounds < self.rl.max_sampling_rounds:
-      # Every process samples again until each has informative groups for all its prompts (sampling is collective).
-      if gathered(np.array([sum(g.informative for g in groups) >= num_prompts])).all():
+      # Sampling is collective: every process samples another round until the whole batch has enough informative groups.
+      if gathered(np.array([sum(g.informative for g in groups)])).sum() >= num_prompts * jax.process_count():
         break
       groups += self._groups(self.sample(loop, self.indices(loop.train_batches.load_next_batch()), rounds, None))
       rounds += 1
     if more_rounds:
       self._dispatch_ahead(loop)
-    groups, masked = self._select(groups, num_prompts)
+    groups, masked_here, masked = self._block(groups, num_prompts)
+    self.rollout_prompts = [g.index for g in groups]
     rewards = gathered(np.stack([g.rewards for g in first_round]))  # [prompts of the whole batch, G]
     metrics |= {
         "rl/reward_mean": float(rewards.mean()),
         "rl/reward_std": float(rewards.std()),
         "rl/zero_variance_fraction": float(np.mean(np.all(rewards == rewards[:, :1], axis=1))),
         "rl/sampling_rounds": float(rounds),
-        "rl/masked_groups": float(gathered(np.array([masked])).sum()),
+        "rl/masked_groups": float(masked),
         "rl/reward_errors": self.reward_errors(),
     }
-    batch = self._device_batch(loop, groups, masked)
+    batch = self._device_batch(loop, groups, masked_here)
     temperature = jnp.float32(self.sampling.temperature)
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the trainer scores the rollouts before the step
       self._old_policy = self._old_policy or roles.FrozenModel(roles.reference(), self.config, loop.mesh, None, None)
@@ -144,6 +147,7 @@ class GRPO(RLObjective):
     filter_scores = out.rewards if metric == config_lib.SHAPED_REWARD else out.scores[metric]
     return [
         _Group(
+            index=out.indices[p],
             prompt=out.prompts[p * group_size],
             completions=out.completions[p * group_size : (p + 1) * group_size],
             logprobs=out.logprobs[p * group_size : (p + 1) * group_size],
@@ -153,19 +157,51 @@ class GRPO(RLObjective):
         for p in range(len(out.prompts) // group_size)
     ]
 
-  def _select(self, groups: list[_Group], num_prompts: int) -> tuple[list[_Group], int]:
-    """The batch's `num_prompts` groups and how many are masked out. Without dynamic sampling: all of them. With
-    it: informative groups first, in sampling order; slots left over after the last round take uninformative
-    groups with their loss masked out, so the batch keeps its shape and only informative groups train."""
+  def _block(self, groups: list[_Group], num_prompts: int) -> tuple[list[_Group], int, int]:
+    """This process's `num_prompts` groups of the batch, how many of them are masked out, and how many of the whole
+    batch's are.
+
+    Without dynamic sampling: the groups of its own prompts. With it, the whole batch is chosen from every process's
+    groups as one process would choose from them all (`select`, in the order one process samples them: round by
+    round, each round's in batch order), so the informative groups one process has to spare fill another's slots,
+    and each process takes its block of the choice, groups other processes sampled included (`_moved`)."""
     if not self.rl.dynamic_sampling:
-      return groups, 0
-    informative = [g for g in groups if g.informative][:num_prompts]
-    filler = [g for g in groups if not g.informative][: num_prompts - len(informative)]
-    return informative + filler, len(filler)
+      return groups, 0, 0
+    processes, me = jax.process_count(), jax.process_index()
+    total = num_prompts * processes
+    # Every process's flags, [processes, rounds, prompts], in one process's order: round 0's whole batch, round 1's, ...
+    flags = gathered(np.array([g.informative for g in groups])).reshape(processes, -1, num_prompts)
+    chosen, masked = select(flags.transpose(1, 0, 2).reshape(-1), total)
+    # Slot q of that order is prompt q % total of round q // total: the owner's group (q // total, q % num_prompts).
+    owners = [(q % total) // num_prompts for q in chosen]
+    mine = {q: groups[(q // total) * num_prompts + q % num_prompts] for q, owner in zip(chosen, owners) if owner == me}
+    if any(owner != i // num_prompts for i, owner in enumerate(owners)):  # some group changes process
+      mine |= self._moved(mine, chosen, owners, num_prompts)
+    block = chosen[me * num_prompts : (me + 1) * num_prompts]
+    masked_here = int(np.clip((me + 1) * num_prompts - (total - masked), 0, num_prompts))  # the choice's tail
+    return [mine[q] for q in block], masked_here, masked
+
+  def _moved(self, mine: dict[int, _Group], chosen: list[int], owners: list[int], num_prompts: int) -> dict[int, _Group]:
+    """The groups of this process's block that other processes sampled, by slot: each process sends the groups it
+    owns in other processes' blocks (gathered onto every host, padded to the longest process's list)."""
+    me = jax.process_index()
+    destinations = [i // num_prompts for i in range(len(chosen))]
+    moving = [(q, owner) for q, owner, to in zip(chosen, owners, destinations) if owner != to]
+    sent = {owner: [q for q, o in moving if o == owner] for owner in range(jax.process_count())}
+    width = max(len(slots) for slots in sent.values())
+    config, group_size = self.config, self.rl.num_generations
+    packed = _pack([mine[q] for q in sent[me]], width, group_size, config.max_prefill_predict_length, self.max_new_tokens)
+    received = {key: gathered(value).reshape(-1, width, *value.shape[1:]) for key, value in packed.items()}
+    here = {q for q, to in zip(chosen, destinations) if to == me}
+    return {
+        q: _unpack({key: value[owner, sent[owner].index(q)] for key, value in received.items()})
+        for q, owner in moving
+        if q in here
+    }
 
   def _device_batch(self, loop, groups: list[_Group], masked: int) -> dict[str, jax.Array]:
-    """This process's groups' training rows with their advantages (a group's G rows stay on the process that
-    sampled them), as its block of the global batch."""
+    """The training rows of this process's groups with their advantages (a group's G rows stay together), the last
+    `masked` groups' loss masked out, as its block of the global batch."""
     config, rl = self.config, self.rl
     rewards = np.concatenate([g.rewards for g in groups])
     advantages = np.asarray(
@@ -211,6 +247,49 @@ class GRPO(RLObjective):
     teacher_total, teacher_metrics = self.teacher_kl(logits, batch, index, frozen, self.agg_mode)
     metrics = out.metrics | teacher_metrics | {"entropy": policy_gradient.aggregate(entropy, mask, mean_mode)[0]}
     return LossOutput(out.total + teacher_total, out.weight, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()})
+
+
+def select(informative, num_prompts: int) -> tuple[list[int], int]:
+  """Dynamic sampling's batch of `num_prompts` groups, from groups in sampling order whose `informative` flags are
+  given: the positions of the informative groups first, in that order; slots left over after the last round take
+  uninformative groups, whose loss is masked out, so the batch keeps its shape and only informative groups train.
+  Returns the positions and how many of them are masked (the last ones)."""
+  kept = [i for i, flag in enumerate(informative) if flag][:num_prompts]
+  filler = [i for i, flag in enumerate(informative) if not flag][: num_prompts - len(kept)]
+  return kept + filler, len(filler)
+
+
+def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, new_tokens: int):
+  """`groups` as fixed-shape arrays of `width` groups (zeros past the last), for a collective."""
+  out = {
+      "index": np.zeros((width,), np.int64),
+      "prompt": np.zeros((width, prompt_width + 1), np.int32),  # the prompt's length, then its tokens
+      "completions": np.zeros((width, group_size, new_tokens + 1), np.int32),  # likewise
+      "logprobs": np.zeros((width, group_size, new_tokens), np.float32),
+      "scores": np.zeros((width, 2, group_size), np.float32),  # rewards, filter scores
+  }
+  for i, group in enumerate(groups):
+    out["index"][i] = group.index
+    out["prompt"][i, : len(group.prompt) + 1] = [len(group.prompt), *group.prompt]
+    for j, (completion, logprobs) in enumerate(zip(group.completions, group.logprobs, strict=True)):
+      out["completions"][i, j, : len(completion) + 1] = [len(completion), *completion]
+      out["logprobs"][i, j, : len(completion)] = logprobs[: len(completion)]
+    out["scores"][i] = group.rewards, group.filter_scores
+  return out
+
+
+def _unpack(arrays: dict[str, np.ndarray]) -> _Group:
+  """One group of `_pack`'s arrays."""
+  prompt, completions = arrays["prompt"], arrays["completions"]
+  lengths = completions[:, 0]
+  return _Group(
+      index=int(arrays["index"]),
+      prompt=[int(t) for t in prompt[1 : 1 + prompt[0]]],
+      completions=[[int(t) for t in row[1 : 1 + n]] for row, n in zip(completions, lengths)],
+      logprobs=[row[:n] for row, n in zip(arrays["logprobs"], lengths)],
+      rewards=arrays["scores"][0],
+      filter_scores=arrays["scores"][1],
+  )
 
 
 def _preset(mode: str) -> type[GRPO]:

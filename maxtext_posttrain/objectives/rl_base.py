@@ -208,6 +208,7 @@ def gathered(values: np.ndarray) -> np.ndarray:
 class Rollouts:
   """Sampled completions of this process's prompts, scored; row r is sample r % n of prompt r // n."""
 
+  indices: list[int]  # per prompt, its index in the training split
   prompts: list[list[int]]  # per row, as the sampler saw it (left-truncated when longer than the prefill length)
   completions: list[list[int]]
   logprobs: list[np.ndarray]
@@ -430,7 +431,7 @@ class RLObjective(Objective):
           "rl/truncated_fraction": float(np.mean(truncated)),
       }
     scores = per_function | {config_lib.REWARD_SUM: total}
-    return Rollouts(out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores)
+    return Rollouts(indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores)
 
   def reward_model_scores(self, loop, prompts: list[list[int]], completions: list[list[int]]) -> np.ndarray:
     """[rows] float32 scores of the frozen reward model at each completion's last token, on rows laid out as in
