@@ -32,6 +32,7 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import layer_transfer
+from maxtext_posttrain import load_balance
 from maxtext_posttrain import roles as roles_lib
 from maxtext_posttrain.peft import adapter_checkpoint
 from maxtext_posttrain.peft import lora
@@ -121,8 +122,9 @@ def make_train_step(spec: roles_lib.RoleSpec, trainable, frozen_graphdefs: dict[
     train_state = nnx.merge(graphdef, state)
     nnx.pop(train_state.model, nnx.Intermediate)
     frozen = _frozen_models(frozen_graphdefs, frozen_states)
+    loss_fn = load_balance.with_load_balance_loss(spec.loss, config)
     loss, weight, metric_sums, raw_grads = _loss_and_grads(
-        spec.loss, config, train_state.model, params_shardings, data, frozen, trainable
+        loss_fn, config, train_state.model, params_shardings, data, frozen, trainable
     )
     raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
     # optax's global norm, the one its clip_by_global_norm computes: XLA can share the reduction. After clipping,
@@ -166,8 +168,8 @@ def make_eval_step(spec: roles_lib.RoleSpec, frozen_graphdefs: dict[str, nnx.Gra
   loss on one batch."""
 
   def eval_step(graphdef, config, state, data, frozen_states):
-    del config
-    out = spec.loss(nnx.merge(graphdef, state).model, data, False, _frozen_models(frozen_graphdefs, frozen_states)())
+    loss_fn = load_balance.with_load_balance_loss(spec.loss, config)
+    out = loss_fn(nnx.merge(graphdef, state).model, data, False, _frozen_models(frozen_graphdefs, frozen_states)())
     scalars = {"evaluation/total_loss": out.total, "evaluation/total_weights": out.weight}
     return {"scalar": scalars | {f"evaluation/metrics/{k}": v for k, v in out.metrics.items()}}
 

@@ -28,6 +28,8 @@ from maxtext.utils import sharding
 
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import layer_transfer
+from maxtext_posttrain import load_balance
 from maxtext_posttrain import manifest
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import objective_state
@@ -98,7 +100,15 @@ class Loop:
 
 # MaxText training features that this loop's step does not carry yet; each fails at start instead of being ignored.
 _UNSUPPORTED = (
-    (lambda c: c.num_experts > 1, "mixture-of-experts models (num_experts > 1): their load-balance loss"),
+    (
+        lambda c: c.num_experts > 1 and c.routed_bias and c.routed_bias_update_rate > 0,
+        "MoE router-bias updates (routed_bias_update_rate > 0: auxiliary-loss-free load balancing)",
+    ),
+    (
+        lambda c: load_balance.enabled(c) and layer_transfer.enabled(c),
+        "layer-transfer distillation (distill_beta > 0 or distill.attention_weight > 0) of an MoE student with "
+        "load_balance_loss_weight > 0 (its layer capture collects the routers' losses the step adds)",
+    ),
     (lambda c: c.mtp_num_layers > 0, "multi-token prediction (mtp_num_layers > 0)"),
     (lambda c: c.use_indexer, "the attention indexer (use_indexer)"),
     (lambda c: c.num_vocab_tiling > 1, "vocabulary tiling (num_vocab_tiling > 1)"),

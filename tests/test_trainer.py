@@ -211,15 +211,13 @@ def test_a_batch_without_the_declared_keys_fails_the_first_step(make_config):
 
 def test_training_features_the_step_lacks_fail_at_start(make_config):
   config = make_config(
-      "num_experts=4",
-      "num_experts_per_tok=2",
-      "base_moe_mlp_dim=512",
+      "mtp_num_layers=1",
       "parameter_memory_host_offload=true",
       "enable_continuous_checkpointing=true",
   )
   with pytest.raises(
       ValueError,
-      match=r"does not support yet: mixture-of-experts .*; parameter_memory_host_offload; "
+      match=r"does not support yet: multi-token prediction .*; parameter_memory_host_offload; "
       r"enable_continuous_checkpointing\.",
   ):
     trainer.setup(config)
