@@ -109,6 +109,7 @@ _UNSUPPORTED = (
         "layer-transfer distillation (distill_beta > 0 or distill.attention_weight > 0) of an MoE student with "
         "load_balance_loss_weight > 0 (its layer capture collects the routers' losses the step adds)",
     ),
+    (lambda c: c.num_experts > 1 and c.moe_dropless_fallback == "step", "moe_dropless_fallback=step (its rollback)"),
     (lambda c: c.mtp_num_layers > 0, "multi-token prediction (mtp_num_layers > 0)"),
     (lambda c: c.use_indexer, "the attention indexer (use_indexer)"),
     (lambda c: c.num_vocab_tiling > 1, "vocabulary tiling (num_vocab_tiling > 1)"),
@@ -126,11 +127,13 @@ _UNSUPPORTED = (
 )
 
 
-def check_supported(config) -> None:
-  """Raises ConfigError naming every enabled MaxText training feature that the post-training step lacks."""
+def check_supported(config, overrides_key: str | None = None) -> None:
+  """Raises ConfigError naming every enabled MaxText training feature that the post-training step lacks (in a
+  trained role's config, named by the key of its overrides)."""
   enabled = [name for applies, name in _UNSUPPORTED if applies(config)]
   if enabled:
-    raise config_lib.ConfigError("The post-training loop does not support yet: " + "; ".join(enabled) + ".")
+    where = f"{overrides_key}: " if overrides_key else ""
+    raise config_lib.ConfigError(f"{where}The post-training loop does not support yet: " + "; ".join(enabled) + ".")
 
 
 def _eval_data_sharding(config, mesh):
@@ -206,6 +209,8 @@ def setup(config) -> Loop:
   trained = {}
   for index, spec in enumerate(s for s in specs if s.trained):
     role_config = roles_lib.role_config(config, spec, primary=index == 0)
+    if index:  # the primary role's config is the run's, checked above
+      check_supported(role_config, spec.overrides_key)
     # The primary role's checkpoints carry the data iterator's state; the others restore none, and resume at its step.
     iterator = data.train if index == 0 else None
     primary_latest = None if index == 0 else next(iter(trained.values())).latest_step()

@@ -2,6 +2,8 @@
 sampler/trainer agreement, inner iterations, dynamic sampling, and seeded runs that raise the reward."""
 
 import json
+import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,70 @@ def test_dynamic_sampling_keeps_informative_groups_and_masks_the_unfilled_slots(
   assert grpo.select([False, True, False, True], 2) == ([1, 3], 0)
   assert grpo.select([False, True, False, True, True], 2) == ([1, 3], 0)
   assert grpo.select([False, True, False], 3) == ([1, 0, 2], 2)
+
+
+def test_dynamic_sampling_over_processes_chooses_the_batch_one_process_would(monkeypatch):
+  """`GRPO._block` on 3 simulated processes (threads; `gathered` concatenates their values in process order, as the
+  all-gather does), 2 prompts each, 3 rounds, random informative groups: the blocks together are the batch one process
+  chooses from all the groups (`select` in round-major, batch order), each group intact whichever process sampled it
+  (in most cases some group changes process), and each process masks the filler at the whole batch's tail."""
+  processes, prompts, rounds = 3, 2, 3
+  local, barrier, slots = threading.local(), threading.Barrier(processes), [None] * processes
+
+  def gathered(values):
+    slots[local.process] = np.asarray(values)
+    barrier.wait()
+    out = np.concatenate(slots)
+    barrier.wait()
+    return out
+
+  monkeypatch.setattr(jax, "process_count", lambda: processes)
+  monkeypatch.setattr(jax, "process_index", lambda: local.process)
+  monkeypatch.setattr(grpo, "gathered", gathered)
+  objective = object.__new__(grpo.GRPO)
+  objective.rl = types.SimpleNamespace(dynamic_sampling=True, num_generations=2)
+  objective.config, objective.max_new_tokens = types.SimpleNamespace(max_prefill_predict_length=4), 3
+  total, moved = processes * prompts, 0
+  for seed in range(40):
+    informative = np.random.default_rng(seed).random((rounds, processes, prompts)) < 0.3
+
+    def group(index, flag):  # prompt `index`'s group, its contents derived from the index
+      scores = np.array([0.0, 1.0] if flag else [1.0, 1.0], np.float32)
+      logprobs = [np.array([-index / 10], np.float32), np.zeros(0, np.float32)]
+      make = grpo._Group  # pylint: disable=protected-access
+      return make(index, [index % 7 + 1], [[index % 5 + 1], []], logprobs, scores, scores)
+
+    blocks = [None] * processes
+
+    def run(process, informative=informative, blocks=blocks):
+      local.process = process
+      groups = [
+          group(r * total + process * prompts + j, informative[r, process, j])
+          for r in range(rounds)
+          for j in range(prompts)
+      ]
+      blocks[process] = objective._block(groups, prompts)  # pylint: disable=protected-access
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join()
+    chosen, masked = grpo.select(informative.reshape(-1), total)  # index r * total + p * prompts + j: that order
+    assert [g.index for block, _, _ in blocks for g in block] == chosen
+    assert [masked_here for _, masked_here, _ in blocks] == [
+        sum(i >= total - masked for i in range(p * prompts, (p + 1) * prompts)) for p in range(processes)
+    ]
+    assert all(whole == masked for _, _, whole in blocks)
+    for block, _, _ in blocks:
+      for g in block:
+        assert (g.prompt, g.completions, g.logprobs[0].tolist()) == (
+            [g.index % 7 + 1],
+            [[g.index % 5 + 1], []],
+            [np.float32(-g.index / 10)],
+        )
+    moved += any((g.index % total) // prompts != p for p, (block, _, _) in enumerate(blocks) for g in block)
+  assert moved > 20
 
 
 def test_groups_travel_between_processes_as_they_were_sampled():

@@ -43,8 +43,8 @@ UNSCANNED = "scan_layers=false"
 RL_KEYS = ("per_device_batch_size=1", "rl.num_generations=4", "max_target_length=80")
 CHARACTERS = ("rl.rewards=['tests.rewards_for_tests:characters']", "rl.reward_weights=[1.0]")
 # GRPO's run samples with DAPO's dynamic sampling, filtered on a reward most groups agree on under random weights (a
-# digit in the completion): its steps sample a second round, and the whole batch's choice moves groups one process
-# sampled into the other's block.
+# digit in the completion): steps 0 and 1 sample a second round, and the whole batch's choice moves a group process 0
+# sampled into process 1's block (seen when this was written; tests/test_grpo.py checks the moves themselves).
 DYNAMIC_SAMPLING = (
     "rl.rewards=['tests.rewards_for_tests:characters','tests.rewards_for_tests:contains_digit']",
     "rl.reward_weights=[1.0,1.0]",

@@ -185,6 +185,12 @@ def test_the_log_says_where_the_critic_starts(make_config, monkeypatch, override
   assert f"Role critic: a trained scalar-head model from {source}." in lines
 
 
+def test_a_critic_config_with_a_feature_the_step_lacks_fails_naming_its_overrides(make_config):
+  config = make_config(*TINY, "critic_overrides.mtp_num_layers=1", config_file=PPO)
+  with pytest.raises(ValueError, match=r"critic_overrides: The post-training loop does not support yet: multi-token"):
+    trainer.setup(config)
+
+
 def test_a_negative_clip_fails_naming_the_key(make_config):
   with pytest.raises(ValueError, match=r"ppo\.value_clip"):
     make_config(*TINY, "ppo.value_clip=-0.1", config_file=PPO)

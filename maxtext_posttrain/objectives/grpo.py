@@ -262,7 +262,7 @@ def select(informative, num_prompts: int) -> tuple[list[int], int]:
 def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, new_tokens: int):
   """`groups` as fixed-shape arrays of `width` groups (zeros past the last), for a collective."""
   out = {
-      "index": np.zeros((width,), np.int64),
+      "index": np.zeros((width,), np.int32),
       "prompt": np.zeros((width, prompt_width + 1), np.int32),  # the prompt's length, then its tokens
       "completions": np.zeros((width, group_size, new_tokens + 1), np.int32),  # likewise
       "logprobs": np.zeros((width, group_size, new_tokens), np.float32),
