@@ -97,15 +97,21 @@ def test_gradient_accumulation_over_an_moe_model_is_maxtexts(make_config, weight
 @pytest.mark.parametrize(
     "config_file, keys",
     [
+        ("sft_lora.yml", ()),
         ("dpo.yml", ("per_device_batch_size=2",)),
         ("grpo.yml", (*RL, *CHARACTERS, "rl.grpo_beta=0.04")),
         ("ppo.yml", (*RL, *CHARACTERS)),
+        ("distill.yml", ()),
     ],
 )
-def test_every_trained_role_of_an_moe_model_adds_the_term_and_trains(make_config, tmp_path, config_file, keys):
-  """DPO (with its frozen MoE reference), GRPO (MoE decoding for the rollouts, a reference) and PPO (the critic, an MoE
-  model with a scalar head, trains with its own term) train 3 steps of a tiny MoE model: finite losses, and every
-  trained role logs a load-balance term near its weight."""
+def test_every_trained_role_of_an_moe_model_adds_the_term_and_trains(request, make_config, tmp_path, config_file, keys):
+  """LoRA SFT (adapters on the attention; the experts frozen), DPO (with its frozen MoE reference), GRPO (MoE decoding
+  for the rollouts, a reference), PPO (the critic, an MoE model with a scalar head, trains with its own term) and
+  distillation (an MoE student of the dense 2-layer SFT teacher) train 3 steps of a tiny MoE model: finite losses,
+  and every trained role logs a load-balance term near its weight."""
+  if config_file == "distill.yml":
+    teacher = request.getfixturevalue("sft_checkpoint")
+    keys = (f"teacher_overrides.load_parameters_path={teacher}", "teacher_overrides.base_num_decoder_layers=2")
   metrics = tmp_path / "metrics.jsonl"
   config = make_config(*MOE, *keys, "steps=3", "enable_checkpointing=false", f"metrics_file={metrics}",
                        config_file=config_file)  # fmt: skip

@@ -192,6 +192,7 @@ def _apply_adapters(model: nnx.Module, config) -> nnx.Module:
   tokens, positions = lora_utils._prepare_dummy_inputs()
   rngs = getattr(getattr(model, "decoder", model), "rngs", None)
   model = qwix.apply_lora_to_model(model, provider, decoder_input_tokens=tokens, decoder_positions=positions, rngs=rngs)
+  nnx.pop(model, nnx.Intermediate)  # what qwix's call on the dummy inputs sowed (an MoE router's loss), not state
   for _, node in nnx.iter_graph(model):
     if "qwix_rngs" in getattr(node, "__dict__", {}):
       del node.qwix_rngs
