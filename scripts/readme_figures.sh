@@ -99,6 +99,13 @@ if wanted compile; then  # ahead-of-time compiles for TPU topologies (libtpu, no
     teacher_overrides.tokenizer_type=sentencepiece teacher_overrides.base_num_decoder_layers=28 \
     teacher_overrides.load_parameters_path="$OUT/compile/no_teacher_checkpoint" eval_interval=-1
   compile_model llama8b compile_topology=v5p-256 model_name=llama3.1-8b "${POD[@]}"
+  # A mixture-of-experts model (30.5B parameters, 128 experts, 8 per token) with the router's load-balance loss at
+  # qwen3-235b-a22b's weight: SFT beside MaxText's pretraining step (the same term in both), and GRPO.
+  MOE=(compile_topology=v5p-64 model_name=qwen3-30b-a3b override_model_config=true tokenizer_type=sentencepiece
+    load_balance_loss_weight=0.001 "${POD[@]}")
+  run compile_qwen3moe_sft "$PY" -m maxtext_posttrain.compile sft.yml "${MOE[@]}" --compare_pretraining
+  run compile_qwen3moe_grpo "$PY" -m maxtext_posttrain.compile grpo.yml "${MOE[@]}" max_prefill_predict_length=1024 \
+    rl.grpo_beta=0.04
   run compile_llama70b_sft "$PY" -m maxtext_posttrain.compile sft.yml compile_topology=v5p-8 model_name=llama2-70b \
     "${POD[@]}" || true  # fails with XLA's out-of-memory message, as it should
 fi

@@ -70,11 +70,11 @@ def test_the_sft_loss_of_an_moe_model_is_maxtexts_pretraining_loss_with_its_load
 def test_gradient_accumulation_over_an_moe_model_is_maxtexts(make_config, weight):
   """Under gradient_accumulation_steps=2, on MaxText's default (TPU) expert path, sparse_matmul, whose layers sow an
   overflow flag at every call: the step's gradient is MaxText's accumulated gradient of its pretraining `loss_fn`
-  (each microbatch's load-balance term weighted by its tokens), with the term or without it (weight 0), and the
-  jitted train step runs."""
+  (each microbatch's load-balance term weighted by its tokens), with the term or without it (weight 0). The
+  accumulation loop is the train step's (`_loss_and_grads`); its state must keep one structure over microbatches."""
   moe = [key for key in MOE if not key.startswith(("sparse_matmul", "load_balance"))]
   config = make_config(*moe, "sparse_matmul=true", f"load_balance_loss_weight={weight}", "per_device_batch_size=2",
-                       "gradient_accumulation_steps=2", "steps=2", "enable_checkpointing=false")  # fmt: skip
+                       "gradient_accumulation_steps=2", "enable_checkpointing=false")  # fmt: skip
   loop = trainer.setup(config)
   batch = loop.train_batches.load_next_batch()
   policy = loop.trained[roles.POLICY]
@@ -90,8 +90,6 @@ def test_gradient_accumulation_over_an_moe_model_is_maxtexts(make_config, weight
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, want_grads)
   assert (load_balance.METRIC in metrics) == (weight > 0)
   assert np.isfinite(float(want_loss)) and (float(want_aux["moe_lb_loss"]) > 0) == (weight > 0)
-  trainer.train(loop)
-  assert loop.step == 2
 
 
 @pytest.mark.parametrize(
@@ -99,16 +97,15 @@ def test_gradient_accumulation_over_an_moe_model_is_maxtexts(make_config, weight
     [
         ("sft_lora.yml", ()),
         ("dpo.yml", ("per_device_batch_size=2",)),
-        ("grpo.yml", (*RL, *CHARACTERS, "rl.grpo_beta=0.04")),
         ("ppo.yml", (*RL, *CHARACTERS)),
         ("distill.yml", ()),
     ],
 )
 def test_every_trained_role_of_an_moe_model_adds_the_term_and_trains(request, make_config, tmp_path, config_file, keys):
-  """LoRA SFT (adapters on the attention; the experts frozen), DPO (with its frozen MoE reference), GRPO (MoE decoding
-  for the rollouts, a reference), PPO (the critic, an MoE model with a scalar head, trains with its own term) and
-  distillation (an MoE student of the dense 2-layer SFT teacher) train 3 steps of a tiny MoE model: finite losses,
-  and every trained role logs a load-balance term near its weight."""
+  """LoRA SFT (adapters on the attention; the experts frozen), DPO (with its frozen MoE reference), PPO (MoE decoding
+  for the rollouts; the critic, an MoE model with a scalar head, trains with its own term) and distillation (an MoE
+  student of the dense 2-layer SFT teacher) train 3 steps of a tiny MoE model: finite losses, and every trained role
+  logs a load-balance term near its weight. (GRPO's policy step and reference are PPO's policy step and DPO's.)"""
   if config_file == "distill.yml":
     teacher = request.getfixturevalue("sft_checkpoint")
     keys = (f"teacher_overrides.load_parameters_path={teacher}", "teacher_overrides.base_num_decoder_layers=2")
