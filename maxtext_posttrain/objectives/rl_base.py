@@ -346,8 +346,9 @@ class RLObjective(Objective):
 
   def sample(self, loop, indices: list[int], round_index: int, metrics: dict | None) -> Rollouts:
     """`rl.num_generations` completions for each of this process's prompts, sampled now with the current policy
-    (round `round_index` of this step) and scored (see `_score`)."""
-    self.rollout_prompts = (self.rollout_prompts if round_index else []) + list(indices)
+    (round `round_index` of this step) and scored (see `_score`). They are the batch's prompts; a step that samples
+    more rounds (GRPO's dynamic sampling) names the ones it keeps once it has chosen them."""
+    self.rollout_prompts = list(indices)
     return self._score(loop, self._dispatch(loop, indices, loop.step, round_index), metrics)
 
   def step_examples(self, step: int, batch) -> list[int]:
