@@ -9,7 +9,7 @@ MaxText's own per-family mappings and hooks (`maxtext.checkpoint_conversion.util
 permutation and the query scaling are theirs) and writes the files with MaxText's writer:
 
   python -m maxtext_posttrain.hf_export sft.yml load_parameters_path=/tmp/out/sft/checkpoints/299/items \
-      --output=/tmp/out/sft_hf
+      --hf_path=/tmp/out/sft_hf
 
 A language model becomes `<Family>ForCausalLM`; a reward model (a posttrain_mode=reward_model run's checkpoint)
 becomes `<Family>ForSequenceClassification` with one label, whose `score` reads the last non-padding token as the
@@ -26,7 +26,6 @@ import tempfile
 import jax
 import numpy as np
 import transformers
-from absl import flags
 from flax import nnx
 
 from maxtext.checkpoint_conversion.utils import hf_model_configs
@@ -39,15 +38,9 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
+from maxtext_posttrain import hf_families
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
-
-# MaxText decoder block -> (a MaxText model name whose mapping, hooks and shapes convert the block, the Hugging Face
-# config class, the architecture's name stem). The name only picks MaxText's functions; the shapes are the config's.
-FAMILIES = {
-    "llama2": ("llama3.1-8b", transformers.LlamaConfig, "Llama"),
-    "qwen3": ("qwen3-0.6b", transformers.Qwen3Config, "Qwen3"),
-}
 
 # MaxText keys whose non-default values the Hugging Face families above cannot express: key -> its default.
 _DEFAULTS = {
@@ -60,15 +53,12 @@ _DEFAULTS = {
 _SCORE = "score.weight"
 
 
-def _block(config) -> str:
-  return getattr(config.decoder_block, "value", config.decoder_block)
-
-
 def _check_exportable(config) -> tuple[str, type, str]:
-  family = FAMILIES.get(_block(config))
+  block = hf_families.block(config)
+  family = hf_families.FAMILIES.get(block)
   if family is None:
     raise config_lib.ConfigError(
-        f"decoder_block={_block(config)}: hf_export writes the {sorted(FAMILIES)} families; MaxText's "
+        f"decoder_block={block}: hf_export writes the {sorted(hf_families.FAMILIES)} families; MaxText's "
         "maxtext.checkpoint_conversion.to_huggingface converts its other published models by model_name."
     )
   for key, default in _DEFAULTS.items():
@@ -83,9 +73,9 @@ def _check_exportable(config) -> tuple[str, type, str]:
     )
   if list(config.mlp_activations) != ["silu", "linear"]:
     raise config_lib.ConfigError(f"mlp_activations={list(config.mlp_activations)}: {family[2]} uses ['silu', 'linear'].")
-  if (_block(config) == "qwen3") != bool(config.use_qk_norm):
-    raise config_lib.ConfigError(f"use_qk_norm={config.use_qk_norm}: {family[2]} has it {_block(config) == 'qwen3'}.")
-  if _table_entry(config, family[1]) is None and (config.rope_type != "default" or _llama31_rope(config)):
+  if (block == "qwen3") != bool(config.use_qk_norm):
+    raise config_lib.ConfigError(f"use_qk_norm={config.use_qk_norm}: {family[2]} has it {block == 'qwen3'}.")
+  if _table_entry(config, family[1]) is None and (config.rope_type != "default" or hf_families.llama31_rope(config)):
     raise config_lib.ConfigError(
         f"rope_type={config.rope_type} (model_name={config.model_name}): outside MaxText's table of Hugging Face "
         "configs, hf_export writes MaxText's default RoPE only."
@@ -128,7 +118,7 @@ def hf_config(config, tokenizer, scalar_head: bool):
   }
   if scalar_head:
     fields["num_labels"] = 1
-  if _block(config) == "qwen3":
+  if hf_families.block(config) == "qwen3":
     fields["layer_types"] = ["full_attention"] * config.num_decoder_layers
     fields["use_sliding_window"] = False
     fields["max_window_layers"] = config.num_decoder_layers
@@ -180,33 +170,17 @@ def stored_params(config) -> tuple[dict, bool]:
   return nnx.State(model.state).filter(nnx.Param).to_pure_dict(), scalar_head
 
 
-def _llama31_rope(config) -> bool:
-  """Whether MaxText runs the model with LLaMARotaryEmbedding (as attentions.py picks it)."""
-  return config.model_name.startswith("llama3.1") or config.rope_type.startswith("llama3.1")
-
-
-# MaxText's llama hooks turn LLaMARotaryEmbedding's interleaved query/key layout (rotated pairs 2i, 2i + 1) into
-# Hugging Face's halves (i, d/2 + i). MaxText's default RotaryEmbedding already rotates halves, so its kernels are
-# handed over in the interleaved layout whose conversion gives them back unchanged.
-_ROTATED = ("self_attention-query-kernel", "self_attention-key-kernel")
-
-
-def _as_interleaved(kernel):
-  half = kernel.shape[-1] // 2
-  return np.stack([kernel[..., :half], kernel[..., half:]], axis=-1).reshape(kernel.shape)
-
-
 def hf_weights(config, params: dict, hf) -> dict[str, np.ndarray]:
   """Hugging Face tensor name -> array of MaxText's params dict, by MaxText's mappings and hooks for the family."""
-  name = FAMILIES[_block(config)][0]
+  name = hf_families.FAMILIES[hf_families.block(config)][0]
   hf_dict = hf.to_dict()
   mapping = param_mapping.PARAM_MAPPING[name](hf_dict, config, config.scan_layers)
   hooks = param_mapping.HOOK_FNS[name](hf_dict, config, config.scan_layers, saving_to_hf=True)
   shapes = hf_shape.HF_SHAPE[name](hf_dict)
   head = params.pop(forward.SCALAR_HEAD, None)
   state = conversion.extract_linen_weights(params)
-  if name.startswith("llama3.1") and not _llama31_rope(config):
-    state = {k: _as_interleaved(v) if k.endswith(_ROTATED) else v for k, v in state.items()}
+  if hf_families.rotates_halves(config, name):
+    state = {k: hf_families.as_interleaved(v) if k.endswith(hf_families.ROTATED) else v for k, v in state.items()}
   weights = {}
   for key in conversion.validate_and_filter_param_map_keys(mapping, set(state)):
     weights.update(conversion.process_maxtext_param(key, state[key], mapping, hooks, shapes, config))
@@ -221,7 +195,7 @@ def export(config, output: str) -> str:
   tokenizer = hf_tokenizer(config)
   params, scalar_head = stored_params(config)
   if scalar_head and output.startswith(("gs://", "hf://")):
-    raise config_lib.ConfigError(f"--output={output}: a reward model is written to a local directory (then copied).")
+    raise config_lib.ConfigError(f"--hf_path={output}: a reward model is written to a local directory (then copied).")
   hf = hf_config(config, tokenizer, scalar_head)
   architectures = hf.architectures
   weights = hf_weights(config, params, hf)
@@ -234,11 +208,8 @@ def export(config, output: str) -> str:
   return output
 
 
-_OUTPUT = flags.DEFINE_string("output", None, "Directory of the Hugging Face checkpoint.", required=True)
-
-
 def main(argv: list[str]) -> None:
-  export(config_lib.initialize(list(argv)), _OUTPUT.value)
+  export(config_lib.initialize(list(argv)), hf_families.HF_PATH.value)
 
 
 if __name__ == "__main__":

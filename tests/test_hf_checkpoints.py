@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import sentencepiece
 import transformers
+from flax import nnx
 from safetensors import numpy as safetensors_numpy
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import hf_export
+from maxtext_posttrain import hf_import
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import arithmetic
@@ -48,7 +50,9 @@ def hf_model(directory, tokens: np.ndarray, tied_head_in_bfloat16: bool = False)
   row of token ids (float64). `tied_head_in_bfloat16` rounds the embedding table to bfloat16 for the tied LM head
   only, as MaxText's `attend_on_embedding` does (Hugging Face's head reads it in float32)."""
   config = json.loads((directory / "config.json").read_text())
-  w = {k: v.astype(np.float64) for k, v in safetensors_numpy.load_file(directory / "model.safetensors").items()}
+  w = {}
+  for file in directory.glob("*.safetensors"):
+    w |= {k: v.astype(np.float64) for k, v in safetensors_numpy.load_file(file).items()}
   eps, d = config["rms_norm_eps"], config["head_dim"]
   heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
   theta = config["rope_parameters"]["rope_theta"]
@@ -167,3 +171,92 @@ def test_models_outside_the_families_are_refused_in_one_line(make_config, sft_ch
     hf_export.hf_config(make_config("mlp_activations=[gelu,linear]"), None, False)
   with pytest.raises(config_lib.ConfigError, match="hf_export reads load_parameters_path"):
     hf_export.export(make_config(), "/nonexistent")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_exported_checkpoint_reads_back_into_the_same_weights(
+    family, make_config, sft_checkpoint, qwen3_checkpoint, tmp_path, tfds_dir
+):
+  """hf_import of hf_export's output gives back every weight of the trained checkpoint (to float32's last bit: MaxText's
+  llama hooks scale the query kernel by sqrt(head_dim) on the way out and by its inverse on the way back), and the
+  keys that build the same model with the exported tokenizer."""
+  checkpoint = sft_checkpoint if family == "llama" else qwen3_checkpoint
+  config = make_config(*(QWEN3 if family == "qwen3" else ()), f"load_parameters_path={checkpoint}")
+  hf_export.export(config, str(tmp_path / "hf"))
+  argv = ["", "sft.yml", "run_name=r", f"base_output_directory={tmp_path}", f"dataset_path={tfds_dir}"]
+  keys = hf_import.import_checkpoint(argv, str(tmp_path / "hf"), str(tmp_path / "mt"))
+  assert keys[0] == f"load_parameters_path={tmp_path / 'mt' / 'items'}"
+  assert f"tokenizer_path={tmp_path / 'hf'}" in keys and "tokenizer_type=huggingface" in keys
+  original = roles.build_frozen(roles.RoleSpec("a", trained=False), config, mesh_lib.make_mesh(config)).state
+  original = original.filter(nnx.Param)
+  read = config_lib.initialize([*argv, *keys])
+  assert (read.emb_dim, read.num_kv_heads, read.logits_via_embedding) == (
+      config.emb_dim,
+      config.num_kv_heads,
+      config.logits_via_embedding,
+  )
+  imported = roles.build_frozen(roles.RoleSpec("b", trained=False), read, mesh_lib.make_mesh(read)).state
+  imported = imported.filter(nnx.Param)
+  flat_original, flat_imported = jax.tree.leaves(original), jax.tree.leaves(imported)
+  assert len(flat_original) == len(flat_imported) > 0
+  for a, b in zip(flat_original, flat_imported):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=3e-7, atol=0)
+
+
+def _random_llama(directory, rng) -> None:
+  """A Hugging Face Llama checkpoint written with numpy: bfloat16 weights in two safetensors shards and their index,
+  grouped-query attention (4 queries, 2 KV heads), an untied LM head, RoPE theta 50,000, no tokenizer."""
+  config = transformers.LlamaConfig(
+      vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False,
+  )  # fmt: skip
+  config.save_pretrained(directory)
+  shapes = {"model.embed_tokens.weight": (96, 64), "model.norm.weight": (64,), "lm_head.weight": (96, 64)}
+  for i in range(2):
+    shapes |= {
+        f"model.layers.{i}.input_layernorm.weight": (64,), f"model.layers.{i}.post_attention_layernorm.weight": (64,),
+        f"model.layers.{i}.self_attn.q_proj.weight": (64, 64), f"model.layers.{i}.self_attn.k_proj.weight": (32, 64),
+        f"model.layers.{i}.self_attn.v_proj.weight": (32, 64), f"model.layers.{i}.self_attn.o_proj.weight": (64, 64),
+        f"model.layers.{i}.mlp.gate_proj.weight": (96, 64), f"model.layers.{i}.mlp.up_proj.weight": (96, 64),
+        f"model.layers.{i}.mlp.down_proj.weight": (64, 96),
+    }  # fmt: skip
+  tensors = {
+      name: (
+          1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight") else 0.2 * rng.standard_normal(shape)
+      ).astype(ml_dtypes.bfloat16)
+      for name, shape in shapes.items()
+  }
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+  for file, shard in shards.items():
+    safetensors_numpy.save_file({name: tensors[name] for name in shard}, directory / file)
+  index = {"metadata": {}, "weight_map": {name: file for file, shard in shards.items() for name in shard}}
+  (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_hugging_face_llama_reads_into_a_maxtext_model_with_its_logits(scan_layers, tmp_path, tfds_dir):
+  """A Llama checkpoint written outside this project (bfloat16 shards, GQA, untied head) reads into a MaxText model,
+  its layers scanned or not, whose logits are the numpy Hugging Face reference's on the same weights."""
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  _random_llama(hf, np.random.default_rng(0))
+  argv = ["", "sft.yml", "run_name=r", f"base_output_directory={tmp_path}", f"dataset_path={tfds_dir}"]
+  argv.append(f"scan_layers={str(scan_layers).lower()}")
+  keys = hf_import.import_checkpoint(argv, str(hf), str(tmp_path / "mt"))
+  assert not any(k.startswith("tokenizer") for k in keys)
+  config = config_lib.initialize([*argv, *keys])
+  assert (config.num_kv_heads, config.vocab_size, config.rope_max_timescale) == (2, 96, 50000)
+  tokens = np.random.default_rng(1).integers(0, 96, 24)
+  expected = hf_model(hf, tokens)
+  got = _maxtext_outputs(config, tokens, scalar_head=False)
+  np.testing.assert_allclose(got, expected, atol=1e-4 * np.ptp(expected))
+
+
+def test_checkpoints_outside_the_families_are_refused_naming_the_file(tmp_path):
+  transformers.MistralConfig(sliding_window=None).save_pretrained(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match=f"{tmp_path}/config.json: model_type=mistral; hf_import reads"):
+    hf_import.model_keys(str(tmp_path))
+  transformers.LlamaConfig(attention_bias=True).save_pretrained(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="config.json: attention_bias=True is not read by hf_import"):
+    hf_import.model_keys(str(tmp_path))
