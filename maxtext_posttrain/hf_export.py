@@ -13,12 +13,15 @@ permutation and the query scaling are theirs) and writes the files with MaxText'
 
 A language model becomes `<Family>ForCausalLM`; a reward model (a posttrain_mode=reward_model run's checkpoint)
 becomes `<Family>ForSequenceClassification` with one label, whose `score` reads the last non-padding token as the
-reward model does. A LoRA run is exported after `maxtext_posttrain.peft.export` merges its adapters. Families:
-MaxText's `llama2` decoder block (Llama 2 and 3 shapes: LlamaForCausalLM) and `qwen3` (Qwen3ForCausalLM), dense,
-with MaxText's default RoPE or, for a model_name whose Hugging Face config MaxText's table holds, that config's.
+reward model reads the last token (EOS included when the run adds it: the exported tokenizer adds it too). A LoRA
+run is exported after `maxtext_posttrain.peft.export` merges its adapters. Families: MaxText's `llama2` decoder
+block (LlamaForCausalLM; MaxText's default RoPE or Llama 3.1's) and `qwen3` (Qwen3ForCausalLM), dense. When the run's
+tokenizer is a Hugging Face directory holding a config.json of the same family (as `hf_import`'s keys set), the
+written config starts from it, keeping what MaxText's config does not hold (context length, token ids,
+generation_config.json), shapes and RoPE written from the run's.
 """
 
-import copy
+import json
 import os
 import shutil
 import tempfile
@@ -28,7 +31,6 @@ import numpy as np
 import transformers
 from flax import nnx
 
-from maxtext.checkpoint_conversion.utils import hf_model_configs
 from maxtext.checkpoint_conversion.utils import hf_shape
 from maxtext.checkpoint_conversion.utils import param_mapping
 from maxtext.checkpoint_conversion.utils import utils as conversion
@@ -41,6 +43,7 @@ from maxtext_posttrain import forward
 from maxtext_posttrain import hf_families
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
+from maxtext_posttrain.peft import lora
 
 # MaxText keys whose non-default values the Hugging Face families above cannot express: key -> its default.
 _DEFAULTS = {
@@ -51,9 +54,21 @@ _DEFAULTS = {
     "sliding_window_size": 0,
 }
 _SCORE = "score.weight"
+_GENERATION_CONFIG = "generation_config.json"
+# Texts whose encoding shows a sentencepiece model's normalisation: newlines, repeated spaces, a space after a
+# newline, a first word without a space before it. (A text that starts with a space is not among them: Hugging Face's
+# Llama tokenizer drops that space into its dummy prefix, one piece fewer than sentencepiece.)
+_PROBES = ("Question: 12 + 7 =\nAnswer: 19", "two  spaces", "a\n b", "no-dummy-prefix")
 
 
-def _check_exportable(config) -> tuple[str, type, str]:
+def check_exportable(config) -> tuple[str, type, str]:
+  """The family `config`'s model belongs to; a ConfigError naming the key when its Hugging Face config cannot
+  describe the model (the RoPE's keys too, `hf_families.rope_parameters`)."""
+  if lora.enabled(config):
+    raise config_lib.ConfigError(
+        "lora.enable_lora=true: merge the adapters with `python -m maxtext_posttrain.peft.export`, then export the "
+        "merged checkpoint with the LoRA keys off."
+    )
   block = hf_families.block(config)
   family = hf_families.FAMILIES.get(block)
   if family is None:
@@ -75,27 +90,26 @@ def _check_exportable(config) -> tuple[str, type, str]:
     raise config_lib.ConfigError(f"mlp_activations={list(config.mlp_activations)}: {family[2]} uses ['silu', 'linear'].")
   if (block == "qwen3") != bool(config.use_qk_norm):
     raise config_lib.ConfigError(f"use_qk_norm={config.use_qk_norm}: {family[2]} has it {block == 'qwen3'}.")
-  if _table_entry(config, family[1]) is None and (config.rope_type != "default" or hf_families.llama31_rope(config)):
-    raise config_lib.ConfigError(
-        f"rope_type={config.rope_type} (model_name={config.model_name}): outside MaxText's table of Hugging Face "
-        "configs, hf_export writes MaxText's default RoPE only."
-    )
+  hf_families.rope_parameters(config)
   return family
 
 
-def _table_entry(config, config_class):
-  """MaxText's Hugging Face config of `model_name`, when it has one of the family's class."""
-  known = hf_model_configs.HF_MODEL_CONFIGS.get(config.model_name)
-  return known if isinstance(known, config_class) else None
+def source_config(config):
+  """The Hugging Face config beside the run's Hugging Face tokenizer, when it is one of the model's family, else None."""
+  path = os.path.join(config.tokenizer_path, "config.json")
+  if config.tokenizer_type != "huggingface" or not os.path.isfile(path):
+    return None
+  source = transformers.AutoConfig.from_pretrained(config.tokenizer_path)
+  return source if isinstance(source, check_exportable(config)[1]) else None
 
 
 def hf_config(config, tokenizer, scalar_head: bool):
-  """The Hugging Face config of the model `config` builds: its shapes, norm epsilon, RoPE, tied embeddings, token ids
-  and dtype. A model_name MaxText's table holds starts from that entry (its RoPE scaling, say), shapes overwritten."""
-  _, config_class, stem = _check_exportable(config)
-  known = _table_entry(config, config_class)
-  hf = config_class() if known is None else copy.deepcopy(known)
-  rope = {"rope_type": "default"} if known is None else dict(known.rope_parameters)
+  """The Hugging Face config of the model `config` builds: its shapes, norm epsilon, RoPE, tied embeddings and dtype;
+  token ids and context length from the source config (`source_config`) when there is one, else from the
+  tokenizer and `max_target_length`."""
+  _, config_class, stem = check_exportable(config)
+  source = source_config(config)
+  hf = config_class() if source is None else source
   fields = {
       "vocab_size": config.vocab_size,
       "hidden_size": config.emb_dim,
@@ -106,36 +120,48 @@ def hf_config(config, tokenizer, scalar_head: bool):
       "head_dim": config.head_dim,
       "hidden_act": "silu",
       "rms_norm_eps": config.normalization_layer_epsilon,
-      "max_position_embeddings": config.max_target_length if known is None else known.max_position_embeddings,
-      "rope_parameters": rope | {"rope_theta": float(config.rope_max_timescale)},
+      "rope_parameters": hf_families.rope_parameters(config),
       "tie_word_embeddings": bool(config.logits_via_embedding),
-      "bos_token_id": tokenizer.bos_token_id,
-      "eos_token_id": tokenizer.eos_token_id,
-      "pad_token_id": tokenizer.pad_token_id,
       "attention_bias": False,
       "dtype": str(np.dtype(config.weight_dtype)),
       "architectures": [f"{stem}For{'SequenceClassification' if scalar_head else 'CausalLM'}"],
   }
+  if source is None:
+    fields |= {"max_position_embeddings": config.max_target_length, "bos_token_id": tokenizer.bos_token_id}
+    fields |= {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
   if scalar_head:
-    fields["num_labels"] = 1
+    fields |= {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id}
   if hf_families.block(config) == "qwen3":
-    fields["layer_types"] = ["full_attention"] * config.num_decoder_layers
-    fields["use_sliding_window"] = False
+    fields |= {"layer_types": ["full_attention"] * config.num_decoder_layers, "use_sliding_window": False}
     fields["max_window_layers"] = config.num_decoder_layers
   for key, value in fields.items():
     setattr(hf, key, value)
   return hf
 
 
-def hf_tokenizer(config):
+def hf_tokenizer(config, scalar_head: bool = False):
   """The run's tokenizer as a Hugging Face one: `tokenizer_type=huggingface` loads `tokenizer_path`; a sentencepiece
-  model becomes a Llama tokenizer over the same pieces (same ids), adding BOS as the run does."""
+  model becomes a Llama tokenizer over the same pieces (same ids, checked on texts that show its normalisation),
+  adding BOS as the run does. A reward model's tokenizer also adds EOS as the run does, and needs a padding token
+  other than EOS, which Hugging Face's sequence classifier skips to find the scored token."""
   if config.tokenizer_type == "huggingface":
-    return transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
-  if config.tokenizer_type != "sentencepiece":
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
+  elif config.tokenizer_type == "sentencepiece":
+    tokenizer = _sentencepiece_as_llama(config, scalar_head)
+  else:
     raise config_lib.ConfigError(
         f"tokenizer_type={config.tokenizer_type}: hf_export writes sentencepiece or huggingface."
     )
+  if scalar_head and tokenizer.pad_token_id in (None, tokenizer.eos_token_id):
+    raise config_lib.ConfigError(
+        f"tokenizer_path={config.tokenizer_path}: a reward model's tokenizer needs a padding token other than EOS "
+        f"(pad id {tokenizer.pad_token_id}, EOS id {tokenizer.eos_token_id}): Hugging Face's sequence classifier "
+        "scores the last token that is not padding."
+    )
+  return tokenizer
+
+
+def _sentencepiece_as_llama(config, scalar_head: bool):
   import sentencepiece  # pylint: disable=import-outside-toplevel
 
   model = sentencepiece.SentencePieceProcessor(model_file=config.tokenizer_path)
@@ -147,27 +173,30 @@ def hf_tokenizer(config):
       "unk_token": piece(model.unk_id()),
       "pad_token": piece(model.pad_id()),
       "add_bos_token": bool(config.add_bos),
-      "add_eos_token": False,
+      "add_eos_token": bool(scalar_head and config.add_eos),
       "legacy": False,
   }
   with tempfile.TemporaryDirectory() as directory:
     shutil.copy(config.tokenizer_path, os.path.join(directory, "tokenizer.model"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-      import json  # pylint: disable=import-outside-toplevel
-
       json.dump({k: v for k, v in settings.items() if v is not None}, f)
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+  for text in _PROBES:
+    ours = [model.bos_id()] * bool(config.add_bos) + model.encode(text) + [model.eos_id()] * settings["add_eos_token"]
+    if tokenizer(text)["input_ids"] != ours:
+      raise config_lib.ConfigError(
+          f"tokenizer_path={config.tokenizer_path}: as a Hugging Face Llama tokenizer it encodes {text!r} as "
+          f"{tokenizer(text)['input_ids']}, sentencepiece as {ours} (its normaliser or dummy prefix differ)."
+      )
+  return tokenizer
 
 
-def stored_params(config) -> tuple[dict, bool]:
-  """(the weights at `load_parameters_path` as MaxText's params dict, whether they are a reward model's), read into
-  the model this config builds: a checkpoint of another shape fails naming the path and the difference."""
-  if not config.load_parameters_path:
-    raise config_lib.ConfigError("hf_export reads load_parameters_path: set it to a checkpoint's <step>/items.")
-  scalar_head = forward.has_scalar_head(checkpoint_guard.stored_params(config.load_parameters_path))
+def stored_params(config, scalar_head: bool) -> dict:
+  """The weights at `load_parameters_path` as MaxText's params dict, read into the model this config builds (with a
+  reward model's scalar head): a checkpoint of another shape fails naming the path and the difference."""
   spec = roles.RoleSpec("exported", trained=False, head="scalar" if scalar_head else "lm")
   model = roles.build_frozen(spec, config, mesh_lib.make_mesh(config))
-  return nnx.State(model.state).filter(nnx.Param).to_pure_dict(), scalar_head
+  return nnx.State(model.state).filter(nnx.Param).to_pure_dict()
 
 
 def hf_weights(config, params: dict, hf) -> dict[str, np.ndarray]:
@@ -186,24 +215,31 @@ def hf_weights(config, params: dict, hf) -> dict[str, np.ndarray]:
     weights.update(conversion.process_maxtext_param(key, state[key], mapping, hooks, shapes, config))
   if head is not None:  # MaxText's DenseGeneral kernel [emb, 1] is score.weight [1, emb]
     weights = {k: v for k, v in weights.items() if not k.startswith("lm_head")}
-    weights[_SCORE] = np.asarray(jax.device_get(head["kernel"])).T.astype(np.dtype(config.weight_dtype))
+    weights[_SCORE] = conversion.convert_jax_weight_to_numpy(head["kernel"], str(np.dtype(config.weight_dtype))).T
   return weights
 
 
 def export(config, output: str) -> str:
   """Writes `load_parameters_path`'s model to `output` as a Hugging Face checkpoint; returns `output`."""
-  tokenizer = hf_tokenizer(config)
-  params, scalar_head = stored_params(config)
-  if scalar_head and output.startswith(("gs://", "hf://")):
+  check_exportable(config)
+  if not config.load_parameters_path:
+    raise config_lib.ConfigError("hf_export reads load_parameters_path: set it to a checkpoint's <step>/items.")
+  scalar_head = forward.has_scalar_head(checkpoint_guard.stored_params(config.load_parameters_path))
+  local = not output.startswith(("gs://", "hf://"))
+  if scalar_head and not local:
     raise config_lib.ConfigError(f"--hf_path={output}: a reward model is written to a local directory (then copied).")
+  tokenizer = hf_tokenizer(config, scalar_head)
   hf = hf_config(config, tokenizer, scalar_head)
   architectures = hf.architectures
-  weights = hf_weights(config, params, hf)
+  weights = hf_weights(config, stored_params(config, scalar_head), hf)
   count = len(weights)
   conversion.save_model_files(weights, hf, tokenizer, None, output)
-  if scalar_head:  # MaxText's writer names the family's CausalLM architecture
+  generation = os.path.join(config.tokenizer_path, _GENERATION_CONFIG)
+  if jax.process_index() == 0 and scalar_head:  # MaxText's writer names the family's CausalLM architecture
     hf.architectures = architectures
     hf.to_json_file(os.path.join(output, "config.json"))
+  elif jax.process_index() == 0 and local and source_config(config) is not None and os.path.isfile(generation):
+    shutil.copy(generation, os.path.join(output, _GENERATION_CONFIG))
   max_logging.log(f"Wrote {architectures[0]} ({count} tensors) from {config.load_parameters_path} to {output}")
   return output
 

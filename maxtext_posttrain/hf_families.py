@@ -5,9 +5,11 @@ reads one into a MaxText params checkpoint, each with MaxText's per-family mappi
 (`maxtext.checkpoint_conversion.utils.param_mapping`), which are keyed by a published model's name.
 """
 
-import numpy as np
+import jax.numpy as jnp
 import transformers
 from absl import flags
+
+from maxtext_posttrain import config as config_lib
 
 # MaxText decoder block -> (a MaxText model name whose mapping, hooks and shapes convert the block, the Hugging Face
 # config class, the architecture's name stem). The name only picks MaxText's functions; the shapes are the config's.
@@ -22,9 +24,52 @@ def block(config) -> str:
   return getattr(config.decoder_block, "value", config.decoder_block)
 
 
+def _rope_type(config) -> str:
+  return getattr(config.rope_type, "value", config.rope_type)
+
+
 def llama31_rope(config) -> bool:
   """Whether MaxText runs the model with LLaMARotaryEmbedding (as attentions.py picks it)."""
-  return config.model_name.startswith("llama3.1") or config.rope_type.startswith("llama3.1")
+  return config.model_name.startswith("llama3.1") or _rope_type(config).startswith("llama3.1")
+
+
+# LLaMARotaryEmbedding's scaling (its constants, maxtext/layers/embeddings.py), in Hugging Face's terms.
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# MaxText keys that change the positions or the weights a model computes with, which the families' Hugging Face
+# configs cannot say: key -> the value they need.
+_POSITIONS = {
+    "rope_min_timescale": 1,
+    "rope_linear_scaling_factor": 1.0,
+    "use_untrainable_positional_embedding": False,
+    "use_mrope": False,
+    "quantization": "",
+}
+
+
+def rope_parameters(config) -> dict:
+  """Hugging Face's `rope_parameters` of the RoPE MaxText runs for `config`: its default RoPE, or for the Llama family
+  LLaMARotaryEmbedding (with or without its llama3 scaling). Anything else is a ConfigError naming the key."""
+  for key, needed in _POSITIONS.items():
+    value = getattr(config, key, needed)
+    if value not in (needed, None):
+      raise config_lib.ConfigError(f"{key}={value}: the Hugging Face families here need {key}={needed}.")
+  theta = float(config.rope_max_timescale)
+  if llama31_rope(config):
+    if block(config) != "llama2":
+      raise config_lib.ConfigError(f"rope_type={_rope_type(config)}: Llama 3.1's RoPE belongs to decoder_block=llama2.")
+    scaling = {"rope_type": "llama3", **LLAMA3_SCALING} if config.rope_use_scale else {"rope_type": "default"}
+    return scaling | {"rope_theta": theta}
+  if _rope_type(config) != "default":
+    raise config_lib.ConfigError(
+        f"rope_type={_rope_type(config)}: the Hugging Face families here use default or llama3.1."
+    )
+  return {"rope_type": "default", "rope_theta": theta}
 
 
 # MaxText's llama hooks turn LLaMARotaryEmbedding's interleaved query/key layout (rotated pairs 2i, 2i + 1) into
@@ -40,12 +85,13 @@ def rotates_halves(config, name: str) -> bool:
 
 
 def as_interleaved(kernel):
+  """A kernel whose last axis holds halves, laid out as interleaved pairs (jnp: keeps a global array's sharding)."""
   half = kernel.shape[-1] // 2
-  return np.stack([kernel[..., :half], kernel[..., half:]], axis=-1).reshape(kernel.shape)
+  return jnp.stack([kernel[..., :half], kernel[..., half:]], axis=-1).reshape(kernel.shape)
 
 
 def from_interleaved(kernel):
-  return np.concatenate([kernel[..., ::2], kernel[..., 1::2]], axis=-1)
+  return jnp.concatenate([kernel[..., ::2], kernel[..., 1::2]], axis=-1)
 
 
 HF_PATH = flags.DEFINE_string(

@@ -2,8 +2,8 @@
 
 Post-training usually starts from a published model. MaxText's `to_maxtext` converts its own published configs by
 `model_name` and reads every shape from its table of their Hugging Face configs (a checkpoint of another shape is
-misread or refused); this command reads the shapes from the checkpoint's config.json, so any Llama- or Qwen3-family
-checkpoint loads, and moves every weight with MaxText's per-family mappings and hooks (`maxtext.checkpoint_conversion`:
+misread or refused); this command reads the shapes from the checkpoint's config.json, so a Llama- or Qwen3-family
+checkpoint of any shape loads (default RoPE, or Llama 3.1's scaling, which MaxText's LLaMARotaryEmbedding runs), and moves every weight with MaxText's per-family mappings and hooks (`maxtext.checkpoint_conversion`:
 the layouts, the RoPE permutation and the query scaling are theirs). Run it with the config the model will train
 under (its data, optimizer and mesh keys), and a local Hugging Face directory (config.json, safetensors, tokenizer):
 
@@ -11,7 +11,7 @@ under (its data, optimizer and mesh keys), and a local Hugging Face directory (c
 
 It writes `<maxtext_path>/items` (MaxText's params-only layout, as `maxtext_posttrain.peft.export` writes) and prints the
 keys to add to any command of the run: `load_parameters_path=<maxtext_path>/items`, the model keys (decoder_block, widths,
-depth, norm epsilon, RoPE timescale, tied embeddings) and, when the directory has a tokenizer,
+depth, norm epsilon, RoPE, tied embeddings) and, when the directory has a tokenizer,
 `tokenizer_type=huggingface tokenizer_path=<hf_path>`. `maxtext_posttrain.hf_export` writes it back.
 """
 
@@ -51,14 +51,17 @@ def model_keys(hf_path: str) -> list[str]:
   block = BLOCKS.get(hf.model_type)
   if block is None:
     raise config_lib.ConfigError(f"{where}: model_type={hf.model_type}; hf_import reads {sorted(BLOCKS)}.")
-  rope = dict(getattr(hf, "rope_parameters", None) or {})
+  rope = _rope(hf)
+  llama3 = rope["rope_type"] == "llama3" and block == "llama2"
   unsupported = {
       "attention_bias": getattr(hf, "attention_bias", False),
       "mlp_bias": getattr(hf, "mlp_bias", False),
       "hidden_act": hf.hidden_act if hf.hidden_act != "silu" else None,
-      "rope_type": rope.get("rope_type") if rope.get("rope_type", "default") != "default" else None,
+      "rope_parameters": rope if rope["rope_type"] != "default" and not llama3 else None,
       "use_sliding_window": getattr(hf, "use_sliding_window", False),
   }
+  if llama3 and any(rope.get(k) != v for k, v in hf_families.LLAMA3_SCALING.items()):
+    unsupported["rope_parameters"] = f"{rope} (MaxText's Llama 3.1 RoPE scales by {hf_families.LLAMA3_SCALING})"
   for key, value in unsupported.items():
     if value:
       raise config_lib.ConfigError(
@@ -75,7 +78,8 @@ def model_keys(hf_path: str) -> list[str]:
       f"head_dim={getattr(hf, 'head_dim', None) or hf.hidden_size // hf.num_attention_heads}",
       f"vocab_size={hf.vocab_size}",
       f"normalization_layer_epsilon={hf.rms_norm_eps}",
-      f"rope_max_timescale={rope.get('rope_theta', getattr(hf, 'rope_theta', 10000.0))}",
+      f"rope_max_timescale={rope['rope_theta']}",
+      *(["rope_type=llama3.1", "rope_use_scale=true"] if llama3 else ["rope_type=default"]),
       f"logits_via_embedding={str(bool(hf.tie_word_embeddings)).lower()}",
       "normalize_embedding_logits=false",
       f"use_qk_norm={str(block == 'qwen3').lower()}",
@@ -84,6 +88,26 @@ def model_keys(hf_path: str) -> list[str]:
   if any(os.path.exists(os.path.join(hf_path, name)) for name in _TOKENIZER_FILES):
     keys += ["tokenizer_type=huggingface", f"tokenizer_path={hf_path}"]
   return keys
+
+
+def _rope(hf) -> dict:
+  """Hugging Face's RoPE parameters of a config, with its type and theta (older configs: rope_theta, rope_scaling)."""
+  rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+  rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
+  return rope | {"rope_type": rope.get("rope_type", rope.get("type", "default"))}
+
+
+def check_rope(config, hf_path: str) -> None:
+  """Raises ConfigError unless the model `config` builds runs the checkpoint's RoPE (the training config's keys, a
+  model_name say, may set another)."""
+  ours = hf_families.rope_parameters(config)
+  theirs = _rope(transformers.AutoConfig.from_pretrained(hf_path))
+  differing = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+  if differing:
+    raise config_lib.ConfigError(
+        f"{os.path.join(hf_path, 'config.json')}: its RoPE differs from the one this config runs ({ours}): "
+        f"{differing} (ours, the checkpoint's). Drop the keys that set it (model_name, rope_type, rope_use_scale)."
+    )
 
 
 def _tensor_getter(hf_path: str):
@@ -149,6 +173,7 @@ def import_checkpoint(argv: list[str], hf_path: str, output: str) -> list[str]:
   and keys) plus the checkpoint's model keys build; returns the keys a run adds to read it."""
   keys = model_keys(hf_path)
   config = config_lib.initialize([*argv, *keys])
+  check_rope(config, hf_path)
   params = maxtext_params(config, hf_path)
   checkpointing.save_params_to_path(
       output, {"params": params}, config.checkpoint_storage_use_ocdbt, config.checkpoint_storage_use_zarr3

@@ -1,9 +1,11 @@
-"""Hugging Face export: the written checkpoint computes what the trained MaxText model computes.
+"""Hugging Face checkpoints in and out: what is written computes what the trained MaxText model computes, and what is
+read computes what the Hugging Face checkpoint does.
 
-The reference is a numpy implementation of Hugging Face's Llama and Qwen3 (transformers' modeling_llama.py and
-modeling_qwen3.py: RMSNorm, rotate-half RoPE with the config's theta, grouped-query attention scaled by 1/sqrt(head_dim),
-Qwen3's per-head q/k norms, SwiGLU, the LM head or `score` at the last non-padding token), reading only the written
-config.json and safetensors: no MaxText code, and no torch (not installed)."""
+The reference is a numpy implementation of Hugging Face's Llama and Qwen3 (transformers' modeling_llama.py,
+modeling_qwen3.py and modeling_rope_utils.py: RMSNorm, rotate-half RoPE with the config's theta and, for
+rope_type=llama3, its frequency scaling, grouped-query attention scaled by 1/sqrt(head_dim), Qwen3's per-head q/k
+norms, SwiGLU, the LM head or `score` at the last non-padding token), reading only a checkpoint's config.json and
+safetensors: no MaxText code, and no torch (not installed)."""
 
 import json
 
@@ -20,6 +22,7 @@ from safetensors import numpy as safetensors_numpy
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import hf_export
+from maxtext_posttrain import hf_families
 from maxtext_posttrain import hf_import
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
@@ -36,10 +39,26 @@ def _rms(x, weight, eps):
   return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def _rope(x, theta):
+def _inverse_frequencies(rope: dict, d: int) -> np.ndarray:
+  """transformers' default inv_freq, and `_compute_llama3_parameters`'s scaling of it for rope_type=llama3."""
+  inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, d, 2) / d)
+  if rope["rope_type"] == "default":
+    return inv_freq
+  assert rope["rope_type"] == "llama3", rope
+  factor, low, high, old = (
+      rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+  )
+  wavelen = 2 * np.pi / inv_freq
+  scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+  smooth = (old / wavelen - low) / (high - low)
+  medium = (wavelen >= old / high) & (wavelen <= old / low)
+  return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def _rope(x, rope: dict):
   """Rotate-half RoPE of [T, heads, d] at positions 0..T-1 (transformers' apply_rotary_pos_emb)."""
   d = x.shape[-1]
-  angles = np.arange(x.shape[0])[:, None] / theta ** (np.arange(0, d, 2) / d)[None, :]
+  angles = np.arange(x.shape[0])[:, None] * _inverse_frequencies(rope, d)[None, :]
   cos, sin = np.cos(np.concatenate([angles] * 2, -1))[:, None], np.sin(np.concatenate([angles] * 2, -1))[:, None]
   rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
   return x * cos + rotated * sin
@@ -55,7 +74,7 @@ def hf_model(directory, tokens: np.ndarray, tied_head_in_bfloat16: bool = False)
     w |= {k: v.astype(np.float64) for k, v in safetensors_numpy.load_file(file).items()}
   eps, d = config["rms_norm_eps"], config["head_dim"]
   heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-  theta = config["rope_parameters"]["rope_theta"]
+  rope = config["rope_parameters"]
   length = len(tokens)
   x = w["model.embed_tokens.weight"][tokens]
   causal = np.tril(np.ones((length, length), bool))
@@ -67,7 +86,7 @@ def hf_model(directory, tokens: np.ndarray, tied_head_in_bfloat16: bool = False)
     v = (h @ layer("self_attn.v_proj.weight").T).reshape(length, kv_heads, d)
     if config["model_type"] == "qwen3":
       q, k = _rms(q, layer("self_attn.q_norm.weight"), eps), _rms(k, layer("self_attn.k_norm.weight"), eps)
-    q, k = _rope(q, theta), _rope(k, theta)
+    q, k = _rope(q, rope), _rope(k, rope)
     k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
     scores = np.where(causal[None], scores, -np.inf)
@@ -87,11 +106,9 @@ def hf_model(directory, tokens: np.ndarray, tied_head_in_bfloat16: bool = False)
   return x @ (head.astype(ml_dtypes.bfloat16).astype(np.float64) if tied_head_in_bfloat16 else head).T
 
 
-def _question_tokens(config, pad: int = 0) -> np.ndarray:
-  tokenizer = hf_export.hf_tokenizer(config)
+def _question_text() -> str:
   problem = arithmetic.generate("easy", "test", 1, seed=3)[0]
-  text = f"Question: {problem['question']}\nAnswer: {problem['answer']}"
-  return np.array(tokenizer(text)["input_ids"] + [tokenizer.pad_token_id] * pad)
+  return f"Question: {problem['question']}\nAnswer: {problem['answer']}"
 
 
 def _maxtext_outputs(config, tokens: np.ndarray, scalar_head: bool) -> np.ndarray:
@@ -104,35 +121,47 @@ def _maxtext_outputs(config, tokens: np.ndarray, scalar_head: bool) -> np.ndarra
   return np.asarray(jax.device_get(model.run(call, inputs, positions, segmentation)), np.float64)[0]
 
 
+# Model keys of the exported models besides the 200-step SFT model (MaxText's llama2 block, default RoPE, 4 KV heads).
+MODELS = {
+    "llama": (),
+    "llama3.1": ("rope_type=llama3.1", "base_num_kv_heads=2"),  # LLaMARotaryEmbedding (interleaved, scaled), GQA
+    "qwen3": QWEN3,
+}
+
+
 @pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory, tfds_dir):
-  """A 2-step SFT run of a tiny Qwen3-shaped MaxText model (tied embeddings, q/k norms, 2 KV heads for 4 queries)."""
-  out = tmp_path_factory.mktemp("qwen3")
-  argv = ["", "sft.yml", "run_name=q", f"base_output_directory={out}", f"dataset_path={tfds_dir}", *QWEN3]
-  argv += [run_utils.SHORT_TRAIN_SPLIT, "steps=2", "eval_interval=0", "checkpoint_period=1", "async_checkpointing=false"]
-  run_utils.run(config_lib.initialize(argv))
-  return out / "q" / "checkpoints" / "1" / "items"
+def checkpoints(tmp_path_factory, tfds_dir, sft_checkpoint):
+  """The trained checkpoint of each of MODELS: besides the SFT model, 2 SFT steps of each other shape."""
+  paths = {"llama": sft_checkpoint}
+  for name, keys in MODELS.items():
+    if keys:
+      out = tmp_path_factory.mktemp(name)
+      argv = ["", "sft.yml", "run_name=r", f"base_output_directory={out}", f"dataset_path={tfds_dir}", *keys]
+      argv += [run_utils.SHORT_TRAIN_SPLIT, "steps=2", "eval_interval=0", "checkpoint_period=1"]
+      run_utils.run(config_lib.initialize([*argv, "async_checkpointing=false"]))
+      paths[name] = out / "r" / "checkpoints" / "1" / "items"
+  return paths
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_exported_causal_lm_computes_the_trained_models_logits(
-    family, make_config, sft_checkpoint, qwen3_checkpoint, tmp_path
-):
-  """The 200-step SFT model (MaxText's llama2 block) and a Qwen3-shaped one, exported, give the MaxText model's
-  logits under the numpy Hugging Face reference (1e-4 of their spread; for the tied head with MaxText's bfloat16
-  table, see `hf_model`); transformers reads the config and the tokenizer, which encodes as the run's does."""
-  checkpoint = sft_checkpoint if family == "llama" else qwen3_checkpoint
-  config = make_config(*(QWEN3 if family == "qwen3" else ()), f"load_parameters_path={checkpoint}")
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_exported_causal_lm_computes_the_trained_models_logits(model, make_config, checkpoints, tmp_path):
+  """The 200-step SFT model (MaxText's llama2 block, default RoPE), a Llama 3.1-RoPE one (MaxText's interleaved,
+  scaled LLaMARotaryEmbedding; 2 KV heads for 4 queries) and a Qwen3-shaped one (tied embeddings, q/k norms, GQA),
+  exported, give the MaxText model's logits under the numpy Hugging Face reference (1e-4 of their spread; for the tied
+  head with MaxText's bfloat16 table, see `hf_model`); transformers reads the config, and the tokenizer encodes as
+  the run's sentencepiece model does."""
+  config = make_config(*MODELS[model], f"load_parameters_path={checkpoints[model]}")
   out = tmp_path / "hf"
   hf_export.export(config, str(out))
 
   hf = transformers.AutoConfig.from_pretrained(out)
-  assert hf.model_type == family and hf.architectures == [f"{'Llama' if family == 'llama' else 'Qwen3'}ForCausalLM"]
-  assert hf.tie_word_embeddings == (family == "qwen3") and hf.vocab_size == config.vocab_size
-  tokens = _question_tokens(config)
+  family = "qwen3" if model == "qwen3" else "llama"
+  assert hf.model_type == family and hf.architectures == [f"{'Qwen3' if model == 'qwen3' else 'Llama'}ForCausalLM"]
+  assert hf.tie_word_embeddings == (model == "qwen3") and hf.vocab_size == config.vocab_size
+  assert hf.rope_parameters["rope_type"] == ("llama3" if model == "llama3.1" else "default")
   pieces = sentencepiece.SentencePieceProcessor(model_file=config.tokenizer_path)
-  assert list(tokens) == [pieces.bos_id()] + pieces.encode(pieces.decode(list(tokens[1:])))
-  assert transformers.AutoTokenizer.from_pretrained(out)(pieces.decode(list(tokens[1:])))["input_ids"] == list(tokens)
+  tokens = np.array(transformers.AutoTokenizer.from_pretrained(out)(_question_text())["input_ids"])
+  assert list(tokens) == [pieces.bos_id()] + pieces.encode(_question_text())
   expected = _maxtext_outputs(config, tokens, scalar_head=False)
   got = hf_model(out, tokens, tied_head_in_bfloat16=hf.tie_word_embeddings)
   assert got.shape == expected.shape == (len(tokens), config.vocab_size)
@@ -142,8 +171,8 @@ def test_the_exported_causal_lm_computes_the_trained_models_logits(
 
 def test_a_reward_model_exports_as_sequence_classification_scoring_the_last_token(make_config, sft_checkpoint, tmp_path):
   """A reward model (2 Bradley-Terry steps from the SFT model: a non-zero head) becomes LlamaForSequenceClassification
-  with one label and no LM head; its `score` at the last non-padding token is the MaxText reward model's value at
-  the row's last token."""
+  with one label and no LM head; its tokenizer ends a text with EOS as the reward model's rows end, and its `score`
+  at the last non-padding token of a padded row is the MaxText reward model's value at the row's last token."""
   run = make_config(
       f"load_parameters_path={sft_checkpoint}", "steps=2", "eval_interval=0", "checkpoint_period=1",
       "async_checkpointing=false", config_file="reward_model.yml",
@@ -158,57 +187,80 @@ def test_a_reward_model_exports_as_sequence_classification_scoring_the_last_toke
   stored = safetensors_numpy.load_file(out / "model.safetensors")
   assert stored["score.weight"].shape == (1, config.emb_dim) and not any(k.startswith("lm_head") for k in stored)
   assert np.abs(stored["score.weight"]).max() > 0
-  tokens = _question_tokens(config, pad=5)
-  length = len(tokens) - 5
-  expected = _maxtext_outputs(config, tokens[:length], scalar_head=True)[-1]
-  np.testing.assert_allclose(hf_model(out, tokens), [expected], rtol=1e-4, atol=1e-6)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  row = tokenizer(_question_text())["input_ids"]  # BOS, the text and EOS, as the reward model's rows end
+  assert row[0] == tokenizer.bos_token_id and row[-1] == tokenizer.eos_token_id != tokenizer.pad_token_id
+  expected = _maxtext_outputs(config, np.array(row), scalar_head=True)[-1]
+  padded = np.array(row + [tokenizer.pad_token_id] * 5)
+  np.testing.assert_allclose(hf_model(out, padded), [expected], rtol=1e-4, atol=1e-6)
 
 
-def test_models_outside_the_families_are_refused_in_one_line(make_config, sft_checkpoint):
-  with pytest.raises(config_lib.ConfigError, match="decoder_block=mistral: hf_export writes"):
-    hf_export.hf_config(make_config("decoder_block=mistral"), None, False)
-  with pytest.raises(config_lib.ConfigError, match="mlp_activations=\\['gelu', 'linear'\\]"):
-    hf_export.hf_config(make_config("mlp_activations=[gelu,linear]"), None, False)
+def test_what_hugging_face_cannot_say_is_refused_in_one_line(make_config, tmp_path):
+  """Models outside the families, keys their configs cannot express, a LoRA run (merged by peft.export first), no
+  checkpoint, and a sentencepiece model whose normaliser a Hugging Face Llama tokenizer would not reproduce."""
+  refused = {
+      ("decoder_block=mistral",): "decoder_block=mistral: hf_export writes",
+      ("mlp_activations=[gelu,linear]",): "mlp_activations=\\['gelu', 'linear'\\]",
+      ("rope_linear_scaling_factor=2.0",): "rope_linear_scaling_factor=2.0: the Hugging Face families here need",
+      ("rope_type=yarn",): "rope_type=yarn: the Hugging Face families here use default or llama3.1",
+      ("decoder_block=qwen3", "use_qk_norm=true", "rope_type=llama3.1"): "Llama 3.1's RoPE belongs to",
+      ("lora.enable_lora=true",): "merge the adapters with `python -m maxtext_posttrain.peft.export`",
+  }
+  for keys, message in refused.items():
+    with pytest.raises(config_lib.ConfigError, match=message):
+      hf_export.check_exportable(make_config(*keys))
   with pytest.raises(config_lib.ConfigError, match="hf_export reads load_parameters_path"):
     hf_export.export(make_config(), "/nonexistent")
+  text = "\n".join(["Question: 3 + 4 =", "Answer:  7", "two  spaces here"] * 50)
+  (tmp_path / "corpus.txt").write_text(text)
+  sentencepiece.SentencePieceTrainer.train(
+      input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "nfkc"), vocab_size=28, model_type="unigram"
+  )  # the default normaliser: spaces collapsed
+  with pytest.raises(config_lib.ConfigError, match="as a Hugging Face Llama tokenizer it encodes"):
+    hf_export.hf_tokenizer(make_config(f"tokenizer_path={tmp_path / 'nfkc.model'}", "vocab_size=28"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_an_exported_checkpoint_reads_back_into_the_same_weights(
-    family, make_config, sft_checkpoint, qwen3_checkpoint, tmp_path, tfds_dir
-):
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_an_exported_checkpoint_reads_back_into_the_same_weights(model, make_config, checkpoints, tmp_path, tfds_dir):
   """hf_import of hf_export's output gives back every weight of the trained checkpoint (to float32's last bit: MaxText's
-  llama hooks scale the query kernel by sqrt(head_dim) on the way out and by its inverse on the way back), and the
-  keys that build the same model with the exported tokenizer."""
-  checkpoint = sft_checkpoint if family == "llama" else qwen3_checkpoint
-  config = make_config(*(QWEN3 if family == "qwen3" else ()), f"load_parameters_path={checkpoint}")
+  llama hooks scale the query kernel by sqrt(head_dim) on the way out and by its inverse on the way back), with keys
+  that build the same model (its RoPE included) and the exported tokenizer; exported again, it is the same Hugging
+  Face checkpoint (the config read from beside the tokenizer, as for an imported model)."""
+  config = make_config(*MODELS[model], f"load_parameters_path={checkpoints[model]}")
   hf_export.export(config, str(tmp_path / "hf"))
   argv = ["", "sft.yml", "run_name=r", f"base_output_directory={tmp_path}", f"dataset_path={tfds_dir}"]
   keys = hf_import.import_checkpoint(argv, str(tmp_path / "hf"), str(tmp_path / "mt"))
   assert keys[0] == f"load_parameters_path={tmp_path / 'mt' / 'items'}"
   assert f"tokenizer_path={tmp_path / 'hf'}" in keys and "tokenizer_type=huggingface" in keys
-  original = roles.build_frozen(roles.RoleSpec("a", trained=False), config, mesh_lib.make_mesh(config)).state
-  original = original.filter(nnx.Param)
   read = config_lib.initialize([*argv, *keys])
-  assert (read.emb_dim, read.num_kv_heads, read.logits_via_embedding) == (
-      config.emb_dim,
-      config.num_kv_heads,
-      config.logits_via_embedding,
+  for key in ("emb_dim", "num_kv_heads", "logits_via_embedding", "rope_max_timescale", "use_qk_norm"):
+    assert getattr(read, key) == getattr(config, key), key
+  assert hf_families.rope_parameters(read) == hf_families.rope_parameters(config)
+  original, imported = (
+      roles.build_frozen(roles.RoleSpec(name, trained=False), c, mesh_lib.make_mesh(c)).state.filter(nnx.Param)
+      for name, c in (("original", config), ("imported", read))
   )
-  imported = roles.build_frozen(roles.RoleSpec("b", trained=False), read, mesh_lib.make_mesh(read)).state
-  imported = imported.filter(nnx.Param)
-  flat_original, flat_imported = jax.tree.leaves(original), jax.tree.leaves(imported)
-  assert len(flat_original) == len(flat_imported) > 0
-  for a, b in zip(flat_original, flat_imported):
+  assert jax.tree.structure(original) == jax.tree.structure(imported)
+  for a, b in zip(jax.tree.leaves(original), jax.tree.leaves(imported)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=3e-7, atol=0)
 
+  hf_export.export(config_lib.initialize([*argv, *keys]), str(tmp_path / "again"))
+  first, again = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "again"))
+  assert again == first
+  first, again = (safetensors_numpy.load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
+  assert sorted(again) == sorted(first)
+  for name, value in first.items():
+    np.testing.assert_allclose(again[name], value, rtol=3e-7, atol=0, err_msg=name)
 
-def _random_llama(directory, rng) -> None:
+
+def _random_llama(directory, rng, rope_scaling) -> None:
   """A Hugging Face Llama checkpoint written with numpy: bfloat16 weights in two safetensors shards and their index,
-  grouped-query attention (4 queries, 2 KV heads), an untied LM head, RoPE theta 50,000, no tokenizer."""
+  grouped-query attention (4 queries, 2 KV heads), an untied LM head, RoPE theta 50,000 (with `rope_scaling`), no
+  tokenizer."""
   config = transformers.LlamaConfig(
       vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False,
+      rope_scaling=rope_scaling,
   )  # fmt: skip
   config.save_pretrained(directory)
   shapes = {"model.embed_tokens.weight": (96, 64), "model.norm.weight": (64,), "lm_head.weight": (96, 64)}
@@ -234,19 +286,24 @@ def _random_llama(directory, rng) -> None:
   (directory / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_a_hugging_face_llama_reads_into_a_maxtext_model_with_its_logits(scan_layers, tmp_path, tfds_dir):
-  """A Llama checkpoint written outside this project (bfloat16 shards, GQA, untied head) reads into a MaxText model,
-  its layers scanned or not, whose logits are the numpy Hugging Face reference's on the same weights."""
+LLAMA3 = {"rope_type": "llama3", **hf_families.LLAMA3_SCALING}
+
+
+@pytest.mark.parametrize("scan_layers,rope_scaling", [(True, None), (False, None), (True, LLAMA3)])
+def test_a_hugging_face_llama_reads_into_a_maxtext_model_with_its_logits(scan_layers, rope_scaling, tmp_path, tfds_dir):
+  """A Llama checkpoint written outside this project (bfloat16 shards, GQA, untied head; default RoPE or Llama 3's
+  scaling, which MaxText runs as LLaMARotaryEmbedding) reads into a MaxText model, its layers scanned or not, whose
+  logits are the numpy Hugging Face reference's on the same weights."""
   hf = tmp_path / "hf"
   hf.mkdir()
-  _random_llama(hf, np.random.default_rng(0))
+  _random_llama(hf, np.random.default_rng(0), rope_scaling)
   argv = ["", "sft.yml", "run_name=r", f"base_output_directory={tmp_path}", f"dataset_path={tfds_dir}"]
   argv.append(f"scan_layers={str(scan_layers).lower()}")
   keys = hf_import.import_checkpoint(argv, str(hf), str(tmp_path / "mt"))
   assert not any(k.startswith("tokenizer") for k in keys)
   config = config_lib.initialize([*argv, *keys])
   assert (config.num_kv_heads, config.vocab_size, config.rope_max_timescale) == (2, 96, 50000)
+  assert hf_families.llama31_rope(config) == (rope_scaling is not None)
   tokens = np.random.default_rng(1).integers(0, 96, 24)
   expected = hf_model(hf, tokens)
   got = _maxtext_outputs(config, tokens, scalar_head=False)
@@ -260,3 +317,15 @@ def test_checkpoints_outside_the_families_are_refused_naming_the_file(tmp_path):
   transformers.LlamaConfig(attention_bias=True).save_pretrained(tmp_path)
   with pytest.raises(config_lib.ConfigError, match="config.json: attention_bias=True is not read by hf_import"):
     hf_import.model_keys(str(tmp_path))
+  transformers.LlamaConfig(rope_scaling=LLAMA3 | {"factor": 32.0}).save_pretrained(tmp_path)  # Llama 3.2's
+  with pytest.raises(config_lib.ConfigError, match="MaxText's Llama 3.1 RoPE scales by"):
+    hf_import.model_keys(str(tmp_path))
+
+
+def test_a_training_config_that_runs_another_rope_is_refused(make_config, tmp_path):
+  """The training config's own keys may set a RoPE other than the checkpoint's (a model_name of MaxText's Llama 3.1,
+  say): the import names the difference before writing anything."""
+  transformers.LlamaConfig(head_dim=32, hidden_size=128, num_attention_heads=4).save_pretrained(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="its RoPE differs from the one this config runs"):
+    hf_import.check_rope(make_config("rope_type=llama3.1"), str(tmp_path))
+  hf_import.check_rope(make_config(), str(tmp_path))
