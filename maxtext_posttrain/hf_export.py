@@ -43,7 +43,7 @@ from maxtext_posttrain import forward
 from maxtext_posttrain import hf_families
 from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import roles
-from maxtext_posttrain.peft import lora
+from maxtext_posttrain.data import pipeline
 
 # MaxText keys whose non-default values the Hugging Face families above cannot express: key -> its default.
 _DEFAULTS = {
@@ -64,10 +64,10 @@ _PROBES = ("Question: 12 + 7 =\nAnswer: 19", "two  spaces", "a\n b", "no-dummy-p
 def check_exportable(config) -> tuple[str, type, str]:
   """The family `config`'s model belongs to; a ConfigError naming the key when its Hugging Face config cannot
   describe the model (the RoPE's keys too, `hf_families.rope_parameters`)."""
-  if lora.enabled(config):
+  if config.lora.enable_lora:
     raise config_lib.ConfigError(
-        "lora.enable_lora=true: merge the adapters with `python -m maxtext_posttrain.peft.export`, then export the "
-        "merged checkpoint with the LoRA keys off."
+        "lora.enable_lora=true: a policy's adapters merge into a full checkpoint with `python -m "
+        "maxtext_posttrain.peft.export`, exported then with the LoRA keys off; a LoRA reward model is not exported."
     )
   block = hf_families.block(config)
   family = hf_families.FAMILIES.get(block)
@@ -103,14 +103,9 @@ def source_config(config):
   return source if isinstance(source, check_exportable(config)[1]) else None
 
 
-def hf_config(config, tokenizer, scalar_head: bool):
-  """The Hugging Face config of the model `config` builds: its shapes, norm epsilon, RoPE, tied embeddings and dtype;
-  token ids and context length from the source config (`source_config`) when there is one, else from the
-  tokenizer and `max_target_length`."""
-  _, config_class, stem = check_exportable(config)
-  source = source_config(config)
-  hf = config_class() if source is None else source
-  fields = {
+def _shape_and_rope(config) -> dict:
+  """The Hugging Face config fields that say which model `config` builds: its shapes and RoPE."""
+  return {
       "vocab_size": config.vocab_size,
       "hidden_size": config.emb_dim,
       "intermediate_size": config.mlp_dim,
@@ -118,17 +113,42 @@ def hf_config(config, tokenizer, scalar_head: bool):
       "num_attention_heads": config.num_query_heads,
       "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.head_dim,
+      "rope_parameters": hf_families.rope_parameters(config),
+  }
+
+
+def same_model(config, source) -> bool:
+  """Whether the source config describes the model `config` builds (its context length and generation settings
+  then hold for it), rather than another one sharing its tokenizer."""
+  return source is not None and all(
+      hf_families.hf_rope(source) == value if key == "rope_parameters" else getattr(source, key, None) == value
+      for key, value in _shape_and_rope(config).items()
+  )
+
+
+def hf_config(config, tokenizer, scalar_head: bool):
+  """The Hugging Face config of the model `config` builds: its shapes, norm epsilon, RoPE, tied embeddings and dtype;
+  token ids from the source config (`source_config`) when there is one, else from the tokenizer; the context length
+  the source's when it describes the same model, else `max_target_length` (at least Llama 3's original context for
+  its RoPE, which Hugging Face requires)."""
+  _, config_class, stem = check_exportable(config)
+  source = source_config(config)
+  hf = config_class() if source is None else source
+  fields = _shape_and_rope(config) | {
       "hidden_act": "silu",
       "rms_norm_eps": config.normalization_layer_epsilon,
-      "rope_parameters": hf_families.rope_parameters(config),
       "tie_word_embeddings": bool(config.logits_via_embedding),
       "attention_bias": False,
+      "mlp_bias": False,
       "dtype": str(np.dtype(config.weight_dtype)),
       "architectures": [f"{stem}For{'SequenceClassification' if scalar_head else 'CausalLM'}"],
   }
+  if not same_model(config, source):
+    original = fields["rope_parameters"].get("original_max_position_embeddings", 0)
+    fields["max_position_embeddings"] = max(config.max_target_length, original)
   if source is None:
-    fields |= {"max_position_embeddings": config.max_target_length, "bos_token_id": tokenizer.bos_token_id}
-    fields |= {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    fields |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    fields["pad_token_id"] = tokenizer.pad_token_id
   if scalar_head:
     fields |= {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id}
   if hf_families.block(config) == "qwen3":
@@ -141,17 +161,31 @@ def hf_config(config, tokenizer, scalar_head: bool):
 
 def hf_tokenizer(config, scalar_head: bool = False):
   """The run's tokenizer as a Hugging Face one: `tokenizer_type=huggingface` loads `tokenizer_path`; a sentencepiece
-  model becomes a Llama tokenizer over the same pieces (same ids, checked on texts that show its normalisation),
-  adding BOS as the run does. A reward model's tokenizer also adds EOS as the run does, and needs a padding token
-  other than EOS, which Hugging Face's sequence classifier skips to find the scored token."""
+  model becomes a Llama tokenizer over the same pieces. Either must encode a text as the run's rows begin and end it
+  (BOS when `add_bos`; for a reward model, EOS when `add_eos`, the token it scores), checked on texts that show a
+  tokenizer's normalisation; a reward model's also needs a padding token other than EOS, which Hugging Face's
+  sequence classifier skips to find the scored token."""
+  add_eos = bool(scalar_head and config.add_eos)
   if config.tokenizer_type == "huggingface":
-    tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        config.tokenizer_path, token=config.hf_access_token or None, add_bos_token=config.add_bos, add_eos_token=add_eos
+    )
   elif config.tokenizer_type == "sentencepiece":
-    tokenizer = _sentencepiece_as_llama(config, scalar_head)
+    tokenizer = _sentencepiece_as_llama(config, add_eos)
   else:
     raise config_lib.ConfigError(
         f"tokenizer_type={config.tokenizer_type}: hf_export writes sentencepiece or huggingface."
     )
+  encoder = pipeline.Encoder.from_config(config)
+  for text in _PROBES:
+    ours = [encoder.bos_id] * (encoder.bos_id is not None) + list(encoder.tokenizer.encode(text))
+    ours += [encoder.eos_id] * (add_eos and encoder.eos_id is not None)
+    if tokenizer(text)["input_ids"] != ours:
+      raise config_lib.ConfigError(
+          f"tokenizer_path={config.tokenizer_path}: as a Hugging Face tokenizer it encodes {text!r} as "
+          f"{tokenizer(text)['input_ids']}, the run as {ours} (BOS/EOS as add_bos={config.add_bos}"
+          f"{f', add_eos={config.add_eos}' if scalar_head else ''} add them; or another normaliser)."
+      )
   if scalar_head and tokenizer.pad_token_id in (None, tokenizer.eos_token_id):
     raise config_lib.ConfigError(
         f"tokenizer_path={config.tokenizer_path}: a reward model's tokenizer needs a padding token other than EOS "
@@ -161,7 +195,7 @@ def hf_tokenizer(config, scalar_head: bool = False):
   return tokenizer
 
 
-def _sentencepiece_as_llama(config, scalar_head: bool):
+def _sentencepiece_as_llama(config, add_eos: bool):
   import sentencepiece  # pylint: disable=import-outside-toplevel
 
   model = sentencepiece.SentencePieceProcessor(model_file=config.tokenizer_path)
@@ -173,22 +207,14 @@ def _sentencepiece_as_llama(config, scalar_head: bool):
       "unk_token": piece(model.unk_id()),
       "pad_token": piece(model.pad_id()),
       "add_bos_token": bool(config.add_bos),
-      "add_eos_token": bool(scalar_head and config.add_eos),
+      "add_eos_token": add_eos,
       "legacy": False,
   }
   with tempfile.TemporaryDirectory() as directory:
     shutil.copy(config.tokenizer_path, os.path.join(directory, "tokenizer.model"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
       json.dump({k: v for k, v in settings.items() if v is not None}, f)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-  for text in _PROBES:
-    ours = [model.bos_id()] * bool(config.add_bos) + model.encode(text) + [model.eos_id()] * settings["add_eos_token"]
-    if tokenizer(text)["input_ids"] != ours:
-      raise config_lib.ConfigError(
-          f"tokenizer_path={config.tokenizer_path}: as a Hugging Face Llama tokenizer it encodes {text!r} as "
-          f"{tokenizer(text)['input_ids']}, sentencepiece as {ours} (its normaliser or dummy prefix differ)."
-      )
-  return tokenizer
+    return transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def stored_params(config, scalar_head: bool) -> dict:
@@ -238,7 +264,7 @@ def export(config, output: str) -> str:
   if jax.process_index() == 0 and scalar_head:  # MaxText's writer names the family's CausalLM architecture
     hf.architectures = architectures
     hf.to_json_file(os.path.join(output, "config.json"))
-  elif jax.process_index() == 0 and local and source_config(config) is not None and os.path.isfile(generation):
+  elif jax.process_index() == 0 and local and same_model(config, source_config(config)) and os.path.isfile(generation):
     shutil.copy(generation, os.path.join(output, _GENERATION_CONFIG))
   max_logging.log(f"Wrote {architectures[0]} ({count} tensors) from {config.load_parameters_path} to {output}")
   return output

@@ -57,6 +57,7 @@ def rope_parameters(config) -> dict:
   LLaMARotaryEmbedding (with or without its llama3 scaling). Anything else is a ConfigError naming the key."""
   for key, needed in _POSITIONS.items():
     value = getattr(config, key, needed)
+    value = getattr(value, "value", value)  # an enum's name
     if value not in (needed, None):
       raise config_lib.ConfigError(f"{key}={value}: the Hugging Face families here need {key}={needed}.")
   theta = float(config.rope_max_timescale)
@@ -92,6 +93,13 @@ def as_interleaved(kernel):
 
 def from_interleaved(kernel):
   return jnp.concatenate([kernel[..., ::2], kernel[..., 1::2]], axis=-1)
+
+
+def hf_rope(hf) -> dict:
+  """A Hugging Face config's RoPE parameters with their type and theta (older configs: rope_theta, rope_scaling)."""
+  rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+  rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
+  return rope | {"rope_type": rope.get("rope_type", rope.get("type", "default"))}
 
 
 HF_PATH = flags.DEFINE_string(

@@ -3,8 +3,9 @@
 Post-training usually starts from a published model. MaxText's `to_maxtext` converts its own published configs by
 `model_name` and reads every shape from its table of their Hugging Face configs (a checkpoint of another shape is
 misread or refused); this command reads the shapes from the checkpoint's config.json, so a Llama- or Qwen3-family
-checkpoint of any shape loads (default RoPE, or Llama 3.1's scaling, which MaxText's LLaMARotaryEmbedding runs), and moves every weight with MaxText's per-family mappings and hooks (`maxtext.checkpoint_conversion`:
-the layouts, the RoPE permutation and the query scaling are theirs). Run it with the config the model will train
+checkpoint of any shape loads (default RoPE, or Llama 3.1's scaling, which MaxText's LLaMARotaryEmbedding runs),
+and moves every weight with MaxText's per-family mappings and hooks (`maxtext.checkpoint_conversion`: the layouts,
+the RoPE permutation and the query scaling are theirs). Run it with the config the model will train
 under (its data, optimizer and mesh keys), and a local Hugging Face directory (config.json, safetensors, tokenizer):
 
   python -m maxtext_posttrain.hf_import sft.yml --hf_path=/models/my-qwen3 --maxtext_path=/tmp/my-qwen3
@@ -39,6 +40,7 @@ from maxtext_posttrain import mesh as mesh_lib
 
 # Hugging Face model_type -> MaxText decoder_block.
 BLOCKS = {"llama": "llama2", "qwen3": "qwen3"}
+_FLOATS = {"float32", "bfloat16", "float16"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -51,7 +53,7 @@ def model_keys(hf_path: str) -> list[str]:
   block = BLOCKS.get(hf.model_type)
   if block is None:
     raise config_lib.ConfigError(f"{where}: model_type={hf.model_type}; hf_import reads {sorted(BLOCKS)}.")
-  rope = _rope(hf)
+  rope = hf_families.hf_rope(hf)
   llama3 = rope["rope_type"] == "llama3" and block == "llama2"
   unsupported = {
       "attention_bias": getattr(hf, "attention_bias", False),
@@ -59,6 +61,7 @@ def model_keys(hf_path: str) -> list[str]:
       "hidden_act": hf.hidden_act if hf.hidden_act != "silu" else None,
       "rope_parameters": rope if rope["rope_type"] != "default" and not llama3 else None,
       "use_sliding_window": getattr(hf, "use_sliding_window", False),
+      "quantization_config": getattr(hf, "quantization_config", None),
   }
   if llama3 and any(rope.get(k) != v for k, v in hf_families.LLAMA3_SCALING.items()):
     unsupported["rope_parameters"] = f"{rope} (MaxText's Llama 3.1 RoPE scales by {hf_families.LLAMA3_SCALING})"
@@ -90,18 +93,11 @@ def model_keys(hf_path: str) -> list[str]:
   return keys
 
 
-def _rope(hf) -> dict:
-  """Hugging Face's RoPE parameters of a config, with its type and theta (older configs: rope_theta, rope_scaling)."""
-  rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-  rope.setdefault("rope_theta", float(getattr(hf, "rope_theta", 10000.0)))
-  return rope | {"rope_type": rope.get("rope_type", rope.get("type", "default"))}
-
-
 def check_rope(config, hf_path: str) -> None:
   """Raises ConfigError unless the model `config` builds runs the checkpoint's RoPE (the training config's keys, a
   model_name say, may set another)."""
   ours = hf_families.rope_parameters(config)
-  theirs = _rope(transformers.AutoConfig.from_pretrained(hf_path))
+  theirs = hf_families.hf_rope(transformers.AutoConfig.from_pretrained(hf_path))
   differing = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
   if differing:
     raise config_lib.ConfigError(
@@ -128,7 +124,10 @@ def _tensor_getter(hf_path: str):
     if name not in files:
       raise ValueError(f"{hf_path}: the checkpoint has no tensor {name}, which the config's model needs.")
     with safe_open(files[name], framework="np") as f:
-      return f.get_tensor(name)
+      tensor = f.get_tensor(name)
+    if tensor.dtype.name not in _FLOATS:
+      raise config_lib.ConfigError(f"{files[name]}: {name} is {tensor.dtype.name}; hf_import reads {sorted(_FLOATS)}.")
+    return tensor
 
   return get
 

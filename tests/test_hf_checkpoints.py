@@ -171,8 +171,9 @@ def test_the_exported_causal_lm_computes_the_trained_models_logits(model, make_c
 
 def test_a_reward_model_exports_as_sequence_classification_scoring_the_last_token(make_config, sft_checkpoint, tmp_path):
   """A reward model (2 Bradley-Terry steps from the SFT model: a non-zero head) becomes LlamaForSequenceClassification
-  with one label and no LM head; its tokenizer ends a text with EOS as the reward model's rows end, and its `score`
-  at the last non-padding token of a padded row is the MaxText reward model's value at the row's last token."""
+  with one label and no LM head; its tokenizer (made from sentencepiece, or a Hugging Face one) ends a text with EOS
+  as the reward model's rows end, and its `score` at the last non-padding token of a padded row is the MaxText reward
+  model's value at the row's last token."""
   run = make_config(
       f"load_parameters_path={sft_checkpoint}", "steps=2", "eval_interval=0", "checkpoint_period=1",
       "async_checkpointing=false", config_file="reward_model.yml",
@@ -194,6 +195,17 @@ def test_a_reward_model_exports_as_sequence_classification_scoring_the_last_toke
   padded = np.array(row + [tokenizer.pad_token_id] * 5)
   np.testing.assert_allclose(hf_model(out, padded), [expected], rtol=1e-4, atol=1e-6)
 
+  # With a Hugging Face tokenizer (here an exported language model's, which adds no EOS of its own) the reward
+  # model's tokenizer adds EOS too; one whose padding token is EOS is refused.
+  hf_export.export(make_config(f"load_parameters_path={sft_checkpoint}"), str(tmp_path / "lm"))
+  keys = ("tokenizer_type=huggingface", f"tokenizer_path={tmp_path / 'lm'}")
+  tokenizer = hf_export.hf_tokenizer(make_config(*keys, config_file="reward_model.yml"), scalar_head=True)
+  assert tokenizer(_question_text())["input_ids"] == row
+  settings = json.loads((tmp_path / "lm" / "tokenizer_config.json").read_text())
+  (tmp_path / "lm" / "tokenizer_config.json").write_text(json.dumps(settings | {"pad_token": settings["eos_token"]}))
+  with pytest.raises(config_lib.ConfigError, match="needs a padding token other than EOS"):
+    hf_export.hf_tokenizer(make_config(*keys, config_file="reward_model.yml"), scalar_head=True)
+
 
 def test_what_hugging_face_cannot_say_is_refused_in_one_line(make_config, tmp_path):
   """Models outside the families, keys their configs cannot express, a LoRA run (merged by peft.export first), no
@@ -204,7 +216,9 @@ def test_what_hugging_face_cannot_say_is_refused_in_one_line(make_config, tmp_pa
       ("rope_linear_scaling_factor=2.0",): "rope_linear_scaling_factor=2.0: the Hugging Face families here need",
       ("rope_type=yarn",): "rope_type=yarn: the Hugging Face families here use default or llama3.1",
       ("decoder_block=qwen3", "use_qk_norm=true", "rope_type=llama3.1"): "Llama 3.1's RoPE belongs to",
-      ("lora.enable_lora=true",): "merge the adapters with `python -m maxtext_posttrain.peft.export`",
+      ("rope_min_timescale=2",): "rope_min_timescale=2: the Hugging Face families here need",
+      ("quantization=int8",): "quantization=int8: the Hugging Face families here need",
+      ("lora.enable_lora=true",): "adapters merge into a full checkpoint with `python -m maxtext_posttrain.peft.export`",
   }
   for keys, message in refused.items():
     with pytest.raises(config_lib.ConfigError, match=message):
@@ -216,8 +230,40 @@ def test_what_hugging_face_cannot_say_is_refused_in_one_line(make_config, tmp_pa
   sentencepiece.SentencePieceTrainer.train(
       input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "nfkc"), vocab_size=28, model_type="unigram"
   )  # the default normaliser: spaces collapsed
-  with pytest.raises(config_lib.ConfigError, match="as a Hugging Face Llama tokenizer it encodes"):
+  with pytest.raises(config_lib.ConfigError, match="as a Hugging Face tokenizer it encodes"):
     hf_export.hf_tokenizer(make_config(f"tokenizer_path={tmp_path / 'nfkc.model'}", "vocab_size=28"))
+
+
+def test_the_config_beside_a_hugging_face_tokenizer_gives_the_token_ids_and_of_the_same_model_its_context(
+    make_config, sft_checkpoint, tmp_path
+):
+  """Exported with its tokenizer read from a Hugging Face directory, a model's config.json starts from the config
+  there: the token ids (an EOS list) stay; shapes, RoPE and dtype are the run's; the context length and
+  generation_config.json stay only when that config describes the same model."""
+  config = make_config(f"load_parameters_path={sft_checkpoint}")
+  hf_export.export(config, str(tmp_path / "source"))
+  source = json.loads((tmp_path / "source" / "config.json").read_text())
+  (tmp_path / "source" / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 5], "top_p": 0.9}))
+  keys = ("tokenizer_type=huggingface", f"tokenizer_path={tmp_path / 'source'}", f"load_parameters_path={sft_checkpoint}")
+
+  same = source | {"max_position_embeddings": 4096, "eos_token_id": [3, 5]}
+  (tmp_path / "source" / "config.json").write_text(json.dumps(same))
+  hf_export.export(make_config(*keys), str(tmp_path / "same"))
+  written = json.loads((tmp_path / "same" / "config.json").read_text())
+  assert written["max_position_embeddings"] == 4096 and written["eos_token_id"] == [3, 5]
+  assert json.loads((tmp_path / "same" / "generation_config.json").read_text())["top_p"] == 0.9
+
+  other = same | {"hidden_size": 4096, "num_hidden_layers": 32, "torch_dtype": "bfloat16", "mlp_bias": True}
+  other |= {"rope_theta": 500000.0, "rope_scaling": LLAMA3, "max_position_embeddings": 131072}
+  other.pop("rope_parameters")
+  other.pop("dtype")
+  (tmp_path / "source" / "config.json").write_text(json.dumps(other))
+  hf_export.export(make_config(*keys), str(tmp_path / "other"))
+  written = json.loads((tmp_path / "other" / "config.json").read_text())
+  assert written["eos_token_id"] == [3, 5] and not (tmp_path / "other" / "generation_config.json").exists()
+  for key in ("hidden_size", "num_hidden_layers", "rope_parameters", "dtype", "mlp_bias", "vocab_size"):
+    assert written[key] == source[key], key
+  assert written["max_position_embeddings"] == config.max_target_length and "rope_scaling" not in written
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -320,6 +366,13 @@ def test_checkpoints_outside_the_families_are_refused_naming_the_file(tmp_path):
   transformers.LlamaConfig(rope_scaling=LLAMA3 | {"factor": 32.0}).save_pretrained(tmp_path)  # Llama 3.2's
   with pytest.raises(config_lib.ConfigError, match="MaxText's Llama 3.1 RoPE scales by"):
     hf_import.model_keys(str(tmp_path))
+  quantized = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+  transformers.LlamaConfig(quantization_config=quantized).save_pretrained(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="quantization_config=.*is not read by hf_import"):
+    hf_import.model_keys(str(tmp_path))
+  safetensors_numpy.save_file({"w": np.ones((2, 2), np.int8)}, tmp_path / "model.safetensors")
+  with pytest.raises(config_lib.ConfigError, match="model.safetensors: w is int8; hf_import reads"):
+    hf_import._tensor_getter(str(tmp_path))("w")  # pylint: disable=protected-access
 
 
 def test_a_training_config_that_runs_another_rope_is_refused(make_config, tmp_path):
