@@ -21,6 +21,7 @@ written config starts from it, keeping what MaxText's config does not hold (cont
 generation_config.json), shapes and RoPE written from the run's.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -32,7 +33,6 @@ import transformers
 from flax import nnx
 
 from maxtext.checkpoint_conversion.utils import hf_shape
-from maxtext.checkpoint_conversion.utils import param_mapping
 from maxtext.checkpoint_conversion.utils import utils as conversion
 from maxtext.utils import max_logging
 
@@ -94,27 +94,20 @@ def check_exportable(config) -> tuple[str, type, str]:
   return family
 
 
-def source_config(config):
-  """The Hugging Face config beside the run's Hugging Face tokenizer, when it is one of the model's family, else None."""
+def source_config(config, config_class):
+  """The Hugging Face config beside the run's Hugging Face tokenizer, when it is one of the family's (`config_class`),
+  else None."""
   path = os.path.join(config.tokenizer_path, "config.json")
   if config.tokenizer_type != "huggingface" or not os.path.isfile(path):
     return None
   source = transformers.AutoConfig.from_pretrained(config.tokenizer_path)
-  return source if isinstance(source, check_exportable(config)[1]) else None
+  return source if isinstance(source, config_class) else None
 
 
 def _shape_and_rope(config) -> dict:
   """The Hugging Face config fields that say which model `config` builds: its shapes and RoPE."""
-  return {
-      "vocab_size": config.vocab_size,
-      "hidden_size": config.emb_dim,
-      "intermediate_size": config.mlp_dim,
-      "num_hidden_layers": config.num_decoder_layers,
-      "num_attention_heads": config.num_query_heads,
-      "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.head_dim,
-      "rope_parameters": hf_families.rope_parameters(config),
-  }
+  shapes = {field: getattr(config, attribute) for field, _, attribute in hf_families.SHAPES}
+  return shapes | {"rope_parameters": hf_families.rope_parameters(config)}
 
 
 def same_model(config, source) -> bool:
@@ -126,14 +119,13 @@ def same_model(config, source) -> bool:
   )
 
 
-def hf_config(config, tokenizer, scalar_head: bool):
+def hf_config(config, tokenizer, scalar_head: bool, source):
   """The Hugging Face config of the model `config` builds: its shapes, norm epsilon, RoPE, tied embeddings and dtype;
   token ids from the source config (`source_config`) when there is one, else from the tokenizer; the context length
   the source's when it describes the same model, else `max_target_length` (at least Llama 3's original context for
   its RoPE, which Hugging Face requires)."""
   _, config_class, stem = check_exportable(config)
-  source = source_config(config)
-  hf = config_class() if source is None else source
+  hf = config_class() if source is None else copy.deepcopy(source)
   fields = _shape_and_rope(config) | {
       "hidden_act": "silu",
       "rms_norm_eps": config.normalization_layer_epsilon,
@@ -227,14 +219,12 @@ def stored_params(config, scalar_head: bool) -> dict:
 
 def hf_weights(config, params: dict, hf) -> dict[str, np.ndarray]:
   """Hugging Face tensor name -> array of MaxText's params dict, by MaxText's mappings and hooks for the family."""
-  name = hf_families.FAMILIES[hf_families.block(config)][0]
   hf_dict = hf.to_dict()
-  mapping = param_mapping.PARAM_MAPPING[name](hf_dict, config, config.scan_layers)
-  hooks = param_mapping.HOOK_FNS[name](hf_dict, config, config.scan_layers, saving_to_hf=True)
-  shapes = hf_shape.HF_SHAPE[name](hf_dict)
+  mapping, hooks, rotates_halves = hf_families.mappings(config, hf_dict, saving_to_hf=True)
+  shapes = hf_shape.HF_SHAPE[hf_families.FAMILIES[hf_families.block(config)][0]](hf_dict)
   head = params.pop(forward.SCALAR_HEAD, None)
   state = conversion.extract_linen_weights(params)
-  if hf_families.rotates_halves(config, name):
+  if rotates_halves:
     state = {k: hf_families.as_interleaved(v) if k.endswith(hf_families.ROTATED) else v for k, v in state.items()}
   weights = {}
   for key in conversion.validate_and_filter_param_map_keys(mapping, set(state)):
@@ -247,7 +237,7 @@ def hf_weights(config, params: dict, hf) -> dict[str, np.ndarray]:
 
 def export(config, output: str) -> str:
   """Writes `load_parameters_path`'s model to `output` as a Hugging Face checkpoint; returns `output`."""
-  check_exportable(config)
+  config_class = check_exportable(config)[1]
   if not config.load_parameters_path:
     raise config_lib.ConfigError("hf_export reads load_parameters_path: set it to a checkpoint's <step>/items.")
   scalar_head = forward.has_scalar_head(checkpoint_guard.stored_params(config.load_parameters_path))
@@ -255,7 +245,8 @@ def export(config, output: str) -> str:
   if scalar_head and not local:
     raise config_lib.ConfigError(f"--hf_path={output}: a reward model is written to a local directory (then copied).")
   tokenizer = hf_tokenizer(config, scalar_head)
-  hf = hf_config(config, tokenizer, scalar_head)
+  source = source_config(config, config_class)
+  hf = hf_config(config, tokenizer, scalar_head, source)
   architectures = hf.architectures
   weights = hf_weights(config, stored_params(config, scalar_head), hf)
   count = len(weights)
@@ -264,7 +255,7 @@ def export(config, output: str) -> str:
   if jax.process_index() == 0 and scalar_head:  # MaxText's writer names the family's CausalLM architecture
     hf.architectures = architectures
     hf.to_json_file(os.path.join(output, "config.json"))
-  elif jax.process_index() == 0 and local and same_model(config, source_config(config)) and os.path.isfile(generation):
+  elif jax.process_index() == 0 and local and same_model(config, source) and os.path.isfile(generation):
     shutil.copy(generation, os.path.join(output, _GENERATION_CONFIG))
   max_logging.log(f"Wrote {architectures[0]} ({count} tensors) from {config.load_parameters_path} to {output}")
   return output

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import transformers
 from absl import flags
 
+from maxtext.checkpoint_conversion.utils import param_mapping
+
 from maxtext_posttrain import config as config_lib
 
 # MaxText decoder block -> (a MaxText model name whose mapping, hooks and shapes convert the block, the Hugging Face
@@ -17,6 +19,19 @@ FAMILIES = {
     "llama2": ("llama3.1-8b", transformers.LlamaConfig, "Llama"),
     "qwen3": ("qwen3-0.6b", transformers.Qwen3Config, "Qwen3"),
 }
+
+
+# The shapes of a model in both configs: (Hugging Face field, the MaxText key that sets it, the config attribute that
+# holds it). hf_import writes the keys from the fields, hf_export the fields from the attributes.
+SHAPES = (
+    ("vocab_size", "vocab_size", "vocab_size"),
+    ("hidden_size", "base_emb_dim", "emb_dim"),
+    ("intermediate_size", "base_mlp_dim", "mlp_dim"),
+    ("num_hidden_layers", "base_num_decoder_layers", "num_decoder_layers"),
+    ("num_attention_heads", "base_num_query_heads", "num_query_heads"),
+    ("num_key_value_heads", "base_num_kv_heads", "num_kv_heads"),
+    ("head_dim", "head_dim", "head_dim"),
+)
 
 
 def block(config) -> str:
@@ -83,6 +98,15 @@ ROTATED = ("self_attention-query-kernel", "self_attention-key-kernel")
 def rotates_halves(config, name: str) -> bool:
   """Whether MaxText's hooks of `name` permute query and key kernels that a default-RoPE model keeps in halves."""
   return name.startswith("llama3.1") and not llama31_rope(config)
+
+
+def mappings(config, hf_dict: dict, saving_to_hf: bool) -> tuple[dict, dict, bool]:
+  """MaxText's (param mapping, hooks) of the config's family for a Hugging Face config dict, and whether its query and
+  key kernels go through the hooks in the interleaved layout (`rotates_halves`)."""
+  name = FAMILIES[block(config)][0]
+  mapping = param_mapping.PARAM_MAPPING[name](hf_dict, config, config.scan_layers)
+  hooks = param_mapping.HOOK_FNS[name](hf_dict, config, config.scan_layers, saving_to_hf=saving_to_hf)
+  return mapping, hooks, rotates_halves(config, name)
 
 
 def as_interleaved(kernel):

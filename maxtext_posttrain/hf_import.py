@@ -27,7 +27,6 @@ from absl import flags
 from flax import nnx
 from safetensors import safe_open
 
-from maxtext.checkpoint_conversion.utils import param_mapping
 from maxtext.checkpoint_conversion.utils import utils as conversion
 from maxtext.common import checkpointing
 from maxtext.utils import max_logging
@@ -54,7 +53,7 @@ def model_keys(hf_path: str) -> list[str]:
   if block is None:
     raise config_lib.ConfigError(f"{where}: model_type={hf.model_type}; hf_import reads {sorted(BLOCKS)}.")
   rope = hf_families.hf_rope(hf)
-  llama3 = rope["rope_type"] == "llama3" and block == "llama2"
+  llama3 = rope["rope_type"] == "llama3" and block == "llama2"  # its factors are `check_rope`'s to compare
   unsupported = {
       "attention_bias": getattr(hf, "attention_bias", False),
       "mlp_bias": getattr(hf, "mlp_bias", False),
@@ -63,23 +62,15 @@ def model_keys(hf_path: str) -> list[str]:
       "use_sliding_window": getattr(hf, "use_sliding_window", False),
       "quantization_config": getattr(hf, "quantization_config", None),
   }
-  if llama3 and any(rope.get(k) != v for k, v in hf_families.LLAMA3_SCALING.items()):
-    unsupported["rope_parameters"] = f"{rope} (MaxText's Llama 3.1 RoPE scales by {hf_families.LLAMA3_SCALING})"
   for key, value in unsupported.items():
     if value:
       raise config_lib.ConfigError(
           f"{where}: {key}={value} is not read by hf_import (MaxText's maxtext.checkpoint_conversion.to_maxtext "
           "converts its published models by model_name)."
       )
-  keys = [
-      f"decoder_block={block}",
-      f"base_emb_dim={hf.hidden_size}",
-      f"base_mlp_dim={hf.intermediate_size}",
-      f"base_num_decoder_layers={hf.num_hidden_layers}",
-      f"base_num_query_heads={hf.num_attention_heads}",
-      f"base_num_kv_heads={hf.num_key_value_heads}",
-      f"head_dim={getattr(hf, 'head_dim', None) or hf.hidden_size // hf.num_attention_heads}",
-      f"vocab_size={hf.vocab_size}",
+  hf.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # older configs lack it
+  keys = [f"decoder_block={block}", *(f"{key}={getattr(hf, field)}" for field, key, _ in hf_families.SHAPES)]
+  keys += [
       f"normalization_layer_epsilon={hf.rms_norm_eps}",
       f"rope_max_timescale={rope['rope_theta']}",
       *(["rope_type=llama3.1", "rope_use_scale=true"] if llama3 else ["rope_type=default"]),
@@ -142,10 +133,8 @@ def _abstract_params(config) -> tuple[dict[str, jax.ShapeDtypeStruct], jax.tree_
 
 def maxtext_params(config, hf_path: str) -> dict:
   """The params dict of the model `config` builds, read from the Hugging Face checkpoint at `hf_path`."""
-  name = hf_families.FAMILIES[hf_families.block(config)][0]
   hf_dict = transformers.AutoConfig.from_pretrained(hf_path).to_dict()
-  mapping = param_mapping.PARAM_MAPPING[name](hf_dict, config, config.scan_layers)
-  hooks = param_mapping.HOOK_FNS[name](hf_dict, config, config.scan_layers, saving_to_hf=False)
+  mapping, hooks, rotates_halves = hf_families.mappings(config, hf_dict, saving_to_hf=False)
   abstract, treedef = _abstract_params(config)
   get = _tensor_getter(hf_path)
   dtype = np.dtype(config.weight_dtype)
@@ -158,7 +147,7 @@ def maxtext_params(config, hf_path: str) -> dict:
       value = np.stack([conversion.apply_hook_fns(get(n), layer, hooks.get(key)) for n in mapping[key]], axis=axis)
     else:
       value = conversion.apply_hook_fns(get(mapping[key]), shape, hooks.get(key))
-    if hf_families.rotates_halves(config, name) and key.endswith(hf_families.ROTATED):
+    if rotates_halves and key.endswith(hf_families.ROTATED):
       value = hf_families.from_interleaved(value)
     weights[key] = np.asarray(value).astype(dtype).reshape(shape)
   missing = sorted(set(abstract) - set(weights))

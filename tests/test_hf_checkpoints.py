@@ -162,6 +162,9 @@ def test_the_exported_causal_lm_computes_the_trained_models_logits(model, make_c
   pieces = sentencepiece.SentencePieceProcessor(model_file=config.tokenizer_path)
   tokens = np.array(transformers.AutoTokenizer.from_pretrained(out)(_question_text())["input_ids"])
   assert list(tokens) == [pieces.bos_id()] + pieces.encode(_question_text())
+  leading = transformers.AutoTokenizer.from_pretrained(out)(" 19")["input_ids"]  # the dummy prefix takes the space
+  assert leading == [pieces.bos_id()] + pieces.encode(" 19")[1:] != [pieces.bos_id()] + pieces.encode(" 19")
+  assert hf.max_position_embeddings == (8192 if model == "llama3.1" else config.max_target_length)
   expected = _maxtext_outputs(config, tokens, scalar_head=False)
   got = hf_model(out, tokens, tied_head_in_bfloat16=hf.tie_word_embeddings)
   assert got.shape == expected.shape == (len(tokens), config.vocab_size)
@@ -216,6 +219,11 @@ def test_what_hugging_face_cannot_say_is_refused_in_one_line(make_config, tmp_pa
       ("rope_linear_scaling_factor=2.0",): "rope_linear_scaling_factor=2.0: the Hugging Face families here need",
       ("rope_type=yarn",): "rope_type=yarn: the Hugging Face families here use default or llama3.1",
       ("decoder_block=qwen3", "use_qk_norm=true", "rope_type=llama3.1"): "Llama 3.1's RoPE belongs to",
+      ("fused_qkv=true",): "fused_qkv=True: not expressible in Llama's config",
+      ("attn_logits_soft_cap=50.0",): "attn_logits_soft_cap=50.0: not expressible",
+      ("sliding_window_size=16",): "sliding_window_size=16: not expressible",
+      ("num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=512"): "num_experts=4: not expressible",
+      ("logits_via_embedding=true", "final_logits_soft_cap=30.0"): "tied LM head neither scales nor caps its logits",
       ("rope_min_timescale=2",): "rope_min_timescale=2: the Hugging Face families here need",
       ("quantization=int8",): "quantization=int8: the Hugging Face families here need",
       ("lora.enable_lora=true",): "adapters merge into a full checkpoint with `python -m maxtext_posttrain.peft.export`",
@@ -360,11 +368,13 @@ def test_checkpoints_outside_the_families_are_refused_naming_the_file(tmp_path):
   transformers.MistralConfig(sliding_window=None).save_pretrained(tmp_path)
   with pytest.raises(config_lib.ConfigError, match=f"{tmp_path}/config.json: model_type=mistral; hf_import reads"):
     hf_import.model_keys(str(tmp_path))
-  transformers.LlamaConfig(attention_bias=True).save_pretrained(tmp_path)
-  with pytest.raises(config_lib.ConfigError, match="config.json: attention_bias=True is not read by hf_import"):
-    hf_import.model_keys(str(tmp_path))
-  transformers.LlamaConfig(rope_scaling=LLAMA3 | {"factor": 32.0}).save_pretrained(tmp_path)  # Llama 3.2's
-  with pytest.raises(config_lib.ConfigError, match="MaxText's Llama 3.1 RoPE scales by"):
+  for unsupported in ({"attention_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}):
+    transformers.LlamaConfig(**unsupported).save_pretrained(tmp_path)
+    key, value = next(iter(unsupported.items()))
+    with pytest.raises(config_lib.ConfigError, match=f"config.json: {key}={value} is not read by hf_import"):
+      hf_import.model_keys(str(tmp_path))
+  transformers.Qwen3Config(use_sliding_window=True, sliding_window=64).save_pretrained(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="config.json: use_sliding_window=True is not read by hf_import"):
     hf_import.model_keys(str(tmp_path))
   quantized = {"quant_method": "bitsandbytes", "load_in_8bit": True}
   transformers.LlamaConfig(quantization_config=quantized).save_pretrained(tmp_path)
@@ -377,8 +387,13 @@ def test_checkpoints_outside_the_families_are_refused_naming_the_file(tmp_path):
 
 def test_a_training_config_that_runs_another_rope_is_refused(make_config, tmp_path):
   """The training config's own keys may set a RoPE other than the checkpoint's (a model_name of MaxText's Llama 3.1,
-  say): the import names the difference before writing anything."""
+  say), and a Llama 3 scaling other than MaxText's (Llama 3.2's factor 32) reads as MaxText's: the import names the
+  difference before writing anything."""
   transformers.LlamaConfig(head_dim=32, hidden_size=128, num_attention_heads=4).save_pretrained(tmp_path)
   with pytest.raises(config_lib.ConfigError, match="its RoPE differs from the one this config runs"):
     hf_import.check_rope(make_config("rope_type=llama3.1"), str(tmp_path))
   hf_import.check_rope(make_config(), str(tmp_path))
+  transformers.LlamaConfig(rope_scaling=LLAMA3 | {"factor": 32.0}).save_pretrained(tmp_path)  # Llama 3.2's
+  assert "rope_type=llama3.1" in hf_import.model_keys(str(tmp_path))  # the keys of MaxText's Llama 3.1 RoPE ...
+  with pytest.raises(config_lib.ConfigError, match="'factor': \\(8.0, 32.0\\)"):  # ... which scales by 8
+    hf_import.check_rope(make_config("rope_type=llama3.1"), str(tmp_path))
