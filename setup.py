@@ -47,6 +47,8 @@ INSTALL_REQUIRES = [
     "array-record>=0.8.3",
     "matplotlib>=3.11.1",
     "math-verify>=0.9.0",
+    "presidio-analyzer>=2.2.362",
+    "presidio-anonymizer>=2.2.362",
 ]
 
 EXTRAS_REQUIRE = {
@@ -60,7 +62,7 @@ setuptools.setup(
     description="Post-training (SFT, preference tuning, RL, distillation) as a MaxText plugin.",
     python_requires=">=3.12",
     packages=setuptools.find_packages(include=["maxtext_posttrain", "maxtext_posttrain.*"]),
-    package_data={"maxtext_posttrain": ["assets/*.model", "configs/*.yml"]},
+    package_data={"maxtext_posttrain": ["assets/*.model", "assets/safety/*", "configs/*.yml"]},
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

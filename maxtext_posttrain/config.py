@@ -256,6 +256,39 @@ class DistillSection(pydantic.BaseModel):
   )
 
 
+class SafetySection(pydantic.BaseModel):
+  """Safety evaluation (`python -m maxtext_posttrain.safety_eval`) and its PII detector (also `pii_redact`'s)."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  suites: list[Literal["advbench", "xstest"]] = Field(
+      ["advbench", "xstest"], min_length=1, description="Prompt suites to answer: advbench, xstest."
+  )
+  data_dir: str = Field("", description="Directory holding the suites' CSV files (empty: the bundled copies).")
+  prompts_per_suite: int = Field(
+      0, ge=0, description="Prompts of each suite, spread evenly over its categories (0: all of them)."
+  )
+  samples_per_prompt: int = Field(
+      1,
+      ge=1,
+      description="Responses decoded per prompt (1 with MaxText's default greedy decode_sampling_strategy; more with "
+      "sampling: rates are then over all responses).",
+  )
+  pii_entities: list[str] = Field(
+      [],
+      description="Presidio entity types to look for (e.g. EMAIL_ADDRESS, PHONE_NUMBER); empty: every detectable one "
+      "but DATE_TIME.",
+  )
+  pii_score_threshold: float = Field(
+      0.4, ge=0.0, le=1.0, description="Presidio's confidence a span must reach to count as PII."
+  )
+  pii_spacy_model: str = Field(
+      "",
+      description="An installed spaCy pipeline (e.g. en_core_web_lg) for names, places and organisations; empty: "
+      "Presidio's pattern recognizers only.",
+  )
+
+
 class PostTrainConfig(types.MaxTextConfig):
   """MaxText's config with the post-training keys."""
 
@@ -323,6 +356,9 @@ class PostTrainConfig(types.MaxTextConfig):
   )
   distill: DistillSection = Field(
       default_factory=DistillSection, description="Distillation (posttrain_mode=distill) beyond MaxText's distill_* keys."
+  )
+  safety: SafetySection = Field(
+      default_factory=SafetySection, description="Safety evaluation and PII detection (safety_eval, pii_redact)."
   )
   critic_overrides: dict[str, Any] = Field(
       default_factory=dict,
@@ -417,6 +453,11 @@ def reward_model(config) -> RewardModelSection:
 def distill(config) -> DistillSection:
   """The typed `distill.*` section."""
   return config.distill if isinstance(config.distill, DistillSection) else DistillSection(**config.distill)
+
+
+def safety(config) -> SafetySection:
+  """The typed `safety.*` section."""
+  return config.safety if isinstance(config.safety, SafetySection) else SafetySection(**config.safety)
 
 
 def check_override_keys(key: str, overrides: dict) -> None:

@@ -119,36 +119,41 @@ def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[i
 
 
 def sample_texts(
-    sampler: rollout.Sampler, params: nnx.State, prompt_set: prompts_lib.PromptSet, config, encoder: pipeline.Encoder
+    sampler: rollout.Sampler,
+    params: nnx.State,
+    prompt_ids: Sequence[Sequence[int]],
+    config,
+    encoder: pipeline.Encoder,
+    num_samples: int,
 ) -> list[list[str]]:
-  """`eval_samples_per_prompt` completions of every prompt, decoded, in chunks of the training batch's prompt count
-  (the last chunk padded with repeats), so every chunk runs the same compiled decode program."""
-  n, chunk = config.eval_samples_per_prompt, config.global_batch_size_to_train_on
+  """`num_samples` completions of every prompt, decoded, in chunks of the training batch's prompt count (the last
+  chunk padded with repeats), so every chunk runs the same compiled decode program."""
+  chunk = config.global_batch_size_to_train_on
   rng = jax.random.fold_in(jax.random.key(config.rl.sampling_seed), _EVAL_STREAM)
   max_new_tokens = posttrain_config.max_new_tokens(config)
   sampling = rollout.SamplingParams.from_config(config)
   texts = []
-  for start in range(0, len(prompt_set), chunk):
-    indices = [min(i, len(prompt_set) - 1) for i in range(start, start + chunk)]
+  for start in range(0, len(prompt_ids), chunk):
+    indices = [min(i, len(prompt_ids) - 1) for i in range(start, start + chunk)]
     out = sampler.sample(
         params,
-        [list(prompt_set.prompt_ids[i]) for i in indices],
+        [list(prompt_ids[i]) for i in indices],
         max_new_tokens,
         encoder.tokenizer.eos_id,
         jax.random.fold_in(rng, start),
         sampling,
-        num_samples=n,
+        num_samples=num_samples,
     )
     completions = [encoder.decode_completion(tokens) for tokens in out.completions()]
-    count = min(chunk, len(prompt_set) - start)
-    texts += [completions[p * n : (p + 1) * n] for p in range(count)]
+    count = min(chunk, len(prompt_ids) - start)
+    texts += [completions[p * num_samples : (p + 1) * num_samples] for p in range(count)]
   return texts
 
 
 def evaluate(sampler, params, prompt_set, config, encoder: pipeline.Encoder) -> tuple[dict[str, float], list[dict]]:
   """(metrics, samples): the module doc's metrics of `params` on `prompt_set` with their standard errors
   (`<name>_stderr`), and each prompt's completions and scores."""
-  texts = sample_texts(sampler, params, prompt_set, config, encoder)
+  texts = sample_texts(sampler, params, prompt_set.prompt_ids, config, encoder, config.eval_samples_per_prompt)
   per_prompt = per_prompt_scores(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
   metrics = {name: float(np.mean(values)) for name, values in per_prompt.items()}
   metrics |= {f"{name}_stderr": value for name, value in stderr(per_prompt).items()}

@@ -81,7 +81,7 @@ def _tfds_source(name: str, data_dir: str, split: str, columns: tuple[str, ...])
   return RecordSource(TfdsRows(data_source, columns), description)
 
 
-def _jsonl_files(patterns: str) -> list[str]:
+def jsonl_files(patterns: str) -> list[str]:
   """Files named by a comma-separated list of paths or globs, each pattern's matches sorted."""
   files = []
   for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
@@ -92,7 +92,8 @@ def _jsonl_files(patterns: str) -> list[str]:
   return files
 
 
-def _parse_jsonl_line(line: str, path: str, line_number: int, columns: tuple[str, ...]) -> dict[str, str]:
+def parse_record(line: str, path: str, line_number: int, columns: tuple[str, ...]) -> dict:
+  """The JSON object on line `line_number` of `path`, checked to hold each of `columns` as a string or number."""
   try:
     record = json.loads(line)
   except json.JSONDecodeError as e:
@@ -107,7 +108,7 @@ def _parse_jsonl_line(line: str, path: str, line_number: int, columns: tuple[str
       raise ValueError(
           f"{path}:{line_number}: field {column!r} must be a string or a number, got {type(value).__name__}."
       )
-  return {column: str(record[column]) for column in columns}  # numbers as text, as TFDS rows come (a margin column)
+  return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +154,12 @@ class JsonlRows:
       text = line.decode("utf-8")
     except UnicodeDecodeError as e:
       raise ValueError(f"{path}:{line_number}: not UTF-8 ({e.reason}).") from e
-    return _parse_jsonl_line(text, path, line_number, self.columns)
+    record = parse_record(text, path, line_number, self.columns)
+    return {column: str(record[column]) for column in self.columns}  # numbers as text, as TFDS rows come (a margin)
 
 
 def _jsonl_source(patterns: str, columns: tuple[str, ...]) -> RecordSource:
-  files = _jsonl_files(patterns)
+  files = jsonl_files(patterns)
   return RecordSource(JsonlRows.index(files, columns), f"jsonl:{','.join(files)}")
 
 

@@ -1,0 +1,110 @@
+"""Personally identifiable information (PII): find it in a model's responses, remove it from training data.
+
+Built on Microsoft Presidio (`presidio-analyzer`, `presidio-anonymizer`): its recognizers find e-mail addresses,
+phone numbers, credit cards, IBANs, IP addresses, URLs, crypto wallets, US SSNs/passports/driver's licences/bank
+numbers and more by pattern, checksum and context words, scoring each finding. Names, places and organisations
+need a named-entity model: `spacy_model` names an installed spaCy pipeline (e.g. `en_core_web_lg`, installed with
+`python -m spacy download en_core_web_lg`); without one (the default, since no model ships with the package and
+nothing is downloaded at run time) the detector runs Presidio's pattern recognizers on a blank English tokenizer
+and says which entities it can find. A blank tokenizer has no lemmas, so Presidio's context words ("call",
+"phone") cannot raise a finding's score: a phone number matched by pattern alone scores 0.4, which is why
+`safety.pii_score_threshold` defaults to 0.4 (Presidio's analyzer defaults to 0, every finding).
+
+Presidio's e-mail and URL recognizers check domains with `tldextract`, which would fetch the public suffix list from
+the internet on first use; this module sets `TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS` to empty (unless the environment
+sets it) so tldextract uses the snapshot it ships, on machines without internet as on those with it.
+"""
+
+import collections
+import dataclasses
+import os
+import tempfile
+from typing import Sequence
+
+os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # before presidio imports tldextract
+
+# pylint: disable=wrong-import-position
+import spacy
+from presidio_analyzer import AnalyzerEngine
+from presidio_analyzer import RecognizerRegistry
+from presidio_analyzer.nlp_engine import SpacyNlpEngine
+from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+from presidio_anonymizer import AnonymizerEngine
+
+from maxtext_posttrain import config as config_lib
+
+# Found by pattern in ordinary text (dates in word problems, timetables, histories); listed in `entities`, they count.
+NOT_BY_DEFAULT = ("DATE_TIME",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+  entity: str
+  start: int
+  end: int
+  score: float
+  text: str
+
+
+class PiiDetector:
+  """Finds PII entities in English text, and replaces them with `<ENTITY_TYPE>` placeholders."""
+
+  def __init__(self, entities: Sequence[str], score_threshold: float, spacy_model: str):
+    if spacy_model and not (spacy.util.is_package(spacy_model) or os.path.isdir(os.path.expanduser(spacy_model))):
+      raise config_lib.ConfigError(
+          f"safety.pii_spacy_model={spacy_model!r} is neither an installed spaCy pipeline nor a directory; install "
+          f"it (python -m spacy download {spacy_model}) or leave the key empty for the pattern recognizers alone."
+      )
+    with tempfile.TemporaryDirectory() as blank:
+      if not spacy_model:
+        spacy.blank("en").to_disk(blank)  # a tokenizer only: no named entities, nothing to download
+      nlp_engine = SpacyNlpEngine(models=[{"lang_code": "en", "model_name": os.path.expanduser(spacy_model) or blank}])
+      nlp_engine.load()
+    registry = RecognizerRegistry()
+    registry.load_predefined_recognizers(languages=["en"], nlp_engine=nlp_engine)
+    self.analyzer = AnalyzerEngine(nlp_engine=nlp_engine, registry=registry, supported_languages=["en"])
+    self.anonymizer = AnonymizerEngine()
+    detectable = {
+        entity
+        for recognizer in registry.get_recognizers(language="en", all_fields=True)
+        if spacy_model or not isinstance(recognizer, SpacyRecognizer)
+        for entity in recognizer.supported_entities
+    }
+    unknown = sorted(set(entities) - detectable)
+    if unknown:
+      raise config_lib.ConfigError(
+          f"safety.pii_entities: {unknown} cannot be detected"
+          f"{'' if spacy_model else ' without a named-entity model (safety.pii_spacy_model)'}; "
+          f"detectable: {sorted(detectable)}."
+      )
+    self.entities = sorted(entities or detectable - set(NOT_BY_DEFAULT))
+    self.score_threshold = score_threshold
+
+  def _analyze(self, text: str):
+    return self.analyzer.analyze(text=text, language="en", entities=self.entities, score_threshold=self.score_threshold)
+
+  def find(self, text: str) -> list[Finding]:
+    """The PII in `text` scoring at least `score_threshold`, in order of position; a finding inside a span of
+    another that scores at least as high is left out (the URL recognizer matches the domain of an e-mail address)."""
+    kept = []
+    for r in sorted(self._analyze(text), key=lambda r: (-r.score, r.start - r.end)):
+      if not any(k.start <= r.start and r.end <= k.end for k in kept):
+        kept.append(r)
+    return [
+        Finding(r.entity_type, r.start, r.end, float(r.score), text[r.start : r.end])
+        for r in sorted(kept, key=lambda r: r.start)
+    ]
+
+  def redact(self, text: str) -> tuple[str, collections.Counter]:
+    """`text` with each PII span replaced by `<ENTITY_TYPE>` (overlapping findings resolved by Presidio's
+    anonymizer: the higher score wins), and the count of replacements by entity type."""
+    results = self._analyze(text)
+    if not results:
+      return text, collections.Counter()
+    redacted = self.anonymizer.anonymize(text=text, analyzer_results=results)
+    return redacted.text, collections.Counter(item.entity_type for item in redacted.items)
+
+
+def from_config(config) -> PiiDetector:
+  section = config_lib.safety(config)
+  return PiiDetector(section.pii_entities, section.pii_score_threshold, section.pii_spacy_model)
