@@ -47,13 +47,14 @@ INSTALL_REQUIRES = [
     "array-record>=0.8.3",
     "matplotlib>=3.11.1",
     "math-verify>=0.9.0",
-    "presidio-analyzer>=2.2.362",
-    "presidio-anonymizer>=2.2.362",
 ]
 
 EXTRAS_REQUIRE = {
     "tpu": ["maxtext[tpu]==0.2.5"],
     "test": ["pytest>=9.1.1", "pytest-xdist>=3.8.0", "pyink>=26.5.1"],
+    # safety_eval and pii_redact (maxtext_posttrain.safety.pii); tldextract >= 5.4 reads the variable that keeps it
+    # offline (TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS)
+    "safety": ["presidio-analyzer>=2.2.362", "presidio-anonymizer>=2.2.362", "tldextract>=5.4.0"],
 }
 
 setuptools.setup(

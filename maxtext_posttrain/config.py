@@ -266,7 +266,7 @@ class SafetySection(pydantic.BaseModel):
   )
   data_dir: str = Field("", description="Directory holding the suites' CSV files (empty: the bundled copies).")
   prompts_per_suite: int = Field(
-      0, ge=0, description="Prompts of each suite, spread evenly over its categories (0: all of them)."
+      0, ge=0, description="Prompts of each suite, spread evenly over its file, which is ordered by category (0: all)."
   )
   samples_per_prompt: int = Field(
       1,
@@ -287,6 +287,13 @@ class SafetySection(pydantic.BaseModel):
       description="An installed spaCy pipeline (e.g. en_core_web_lg) for names, places and organisations; empty: "
       "Presidio's pattern recognizers only.",
   )
+
+  @pydantic.field_validator("suites")
+  @classmethod
+  def _distinct_suites(cls, suites: list[str]) -> list[str]:
+    if len(set(suites)) != len(suites):
+      raise ValueError(f"each suite once (a repeat would count its prompts twice): {suites}")
+    return suites
 
 
 class PostTrainConfig(types.MaxTextConfig):

@@ -1,7 +1,8 @@
 """Removes PII from the JSONL data a config trains on, before training on it.
 
   python -m maxtext_posttrain.pii_redact <config.yml> grain_file_type=jsonl grain_train_files=<files> \\
-      train_data_columns=[prompt,completion] [key=value ...] --output_dir=<dir>
+      grain_eval_files=<files> train_data_columns=[prompt,completion] eval_data_columns=[prompt,completion] \\
+      [key=value ...] --output_dir=<dir>
 
 Fine-tuning data drawn from real conversations or documents carries e-mail addresses, phone numbers, card and account
 numbers; a model trained on them can repeat them. This command reads the files of the config's `grain_train_files`
@@ -45,48 +46,57 @@ def _read(path: str, columns: tuple[str, ...]) -> list[tuple[str, dict | None]]:
   return rows
 
 
-def redact_files(
-    files: dict[str, tuple[str, ...]], output_dir: str, detector: pii.PiiDetector
-) -> tuple[dict[str, str], collections.Counter]:
-  """Writes each of `files` (path -> columns to redact) redacted under `output_dir`; returns the written path of each
-  input and the replacements by entity type."""
+def _output_paths(files, output_dir: str) -> dict[str, str]:
+  """Where each input is written: `output_dir/<its name>`, never over an input (symlinks resolved) or another output."""
   names = [os.path.basename(path) for path in files]
   clash = [name for name, count in collections.Counter(names).items() if count > 1]
   if clash:
     raise posttrain_config.ConfigError(f"Input files share the names {clash}; they would overwrite each other.")
+  outputs = {path: os.path.join(output_dir, os.path.basename(path)) for path in files}
+  inputs = {os.path.realpath(path) for path in files}
+  overwritten = [out for out in outputs.values() if os.path.realpath(out) in inputs]
+  if overwritten:
+    raise posttrain_config.ConfigError(f"--output_dir={output_dir} would overwrite the inputs {overwritten}.")
+  return outputs
+
+
+def redact_files(
+    files: dict[str, tuple[str, ...]], output_dir: str, detector: pii.PiiDetector
+) -> tuple[dict[str, str], collections.Counter]:
+  """Writes each of `files` (path -> columns to redact) redacted under `output_dir`; returns the written path of each
+  input and the replacements by entity type. Numbers in the columns are read as text, as training reads them."""
+  outputs = _output_paths(files, output_dir)
   contents = {path: _read(path, columns) for path, columns in files.items()}
   total = sum(record is not None for rows in contents.values() for _, record in rows)
-  counts, written, done = collections.Counter(), {}, 0
+  counts, done = collections.Counter(), 0
   start = last_log = time.perf_counter()
   os.makedirs(output_dir, exist_ok=True)
   for path, rows in contents.items():
-    out_path = os.path.join(output_dir, os.path.basename(path))
-    if os.path.abspath(out_path) == os.path.abspath(path):
-      raise posttrain_config.ConfigError(f"--output_dir={output_dir} holds the input {path}; choose another directory.")
-    with open(out_path, "w", encoding="utf-8") as out:
+    with open(outputs[path], "w", encoding="utf-8") as out:
       for line, record in rows:
         if record is not None:
           found = collections.Counter()
           for column in files[path]:
-            if isinstance(record[column], str):
-              record[column], in_column = detector.redact(record[column])
+            redacted, in_column = detector.redact(str(record[column]))
+            if in_column:
+              record[column] = redacted
               found += in_column
           if found:  # lines without PII stay byte for byte
             line = json.dumps(record, ensure_ascii=False) + "\n"
             counts += found
           done += 1
         out.write(line)
-        if time.perf_counter() - last_log > _LOG_SECONDS:
+        if done and time.perf_counter() - last_log > _LOG_SECONDS:
           last_log = time.perf_counter()
           rate = done / (last_log - start)
           eta = progress.format_seconds((total - done) / rate)
           max_logging.log(f"pii_redact: {done}/{total} records, {rate:,.0f} records/s, ETA {eta}")
-    written[path] = out_path
-  return written, counts
+  return outputs, counts
 
 
-def main(argv: list[str]) -> None:
-  config = posttrain_config.initialize(list(argv))
+def files_of(config) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, list[str]]]]:
+  """The JSONL files a config trains and evaluates on, each with the columns to redact (a file read by both splits:
+  the columns of both), and (key, files) for the keys that name them."""
   if config.grain_file_type != "jsonl":
     raise posttrain_config.ConfigError(
         f"grain_file_type={config.grain_file_type!r}: pii_redact rewrites JSONL files (grain_file_type=jsonl)."
@@ -95,11 +105,21 @@ def main(argv: list[str]) -> None:
   for key, columns_key in (("grain_train_files", "train_data_columns"), ("grain_eval_files", "eval_data_columns")):
     patterns = getattr(config, key)
     if patterns:
-      paths = sources.jsonl_files(patterns)
-      files |= {path: tuple(getattr(config, columns_key)) for path in paths}
+      try:
+        paths = sources.jsonl_files(patterns)
+      except ValueError as e:
+        raise posttrain_config.ConfigError(f"{key}={patterns}: {e}") from e
+      for path in paths:
+        files[path] = tuple(dict.fromkeys(files.get(path, ()) + tuple(getattr(config, columns_key))))
       keys.append((key, paths))
   if not files:
     raise posttrain_config.ConfigError("grain_train_files and grain_eval_files are empty; nothing to redact.")
+  return files, keys
+
+
+def main(argv: list[str]) -> None:
+  config = posttrain_config.initialize(list(argv))
+  files, keys = files_of(config)
   written, counts = redact_files(files, _OUTPUT_DIR.value, pii.from_config(config))
   summary = ", ".join(f"{entity} {n}" for entity, n in counts.most_common()) or "none found"
   run_keys = " ".join(f"{key}={','.join(written[p] for p in paths)}" for key, paths in keys)

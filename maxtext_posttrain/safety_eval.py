@@ -142,30 +142,39 @@ def plot(by_category: dict[str, dict], png_path: str, title: str) -> str:
   return png_path
 
 
-def run(config, sampler: rollout.Sampler, params, encoder: pipeline.Encoder) -> tuple[dict, dict, list[dict]]:
-  """(metrics, by_category, records) of `params` on the configured suites."""
+def prepare(config, encoder: pipeline.Encoder) -> tuple[list[suites.SafetyPrompt], list[list[int]], pii.PiiDetector]:
+  """The configured suites' prompts, their token ids and the PII detector: every setting checked before a model is
+  read."""
   section = posttrain_config.safety(config)
+  sampling = rollout.SamplingParams.from_config(config)
+  if sampling.strategy == "greedy" and section.samples_per_prompt > 1:
+    raise posttrain_config.ConfigError(
+        f"safety.samples_per_prompt={section.samples_per_prompt} with decode_sampling_strategy=greedy would decode "
+        "the same response each time; sample (e.g. decode_sampling_strategy=weighted) or ask for 1."
+    )
   prompts = [p for name in section.suites for p in suites.load(name, section.data_dir, section.prompts_per_suite)]
-  ids = prompt_ids(prompts, encoder, config)
-  detector = pii.from_config(config)
-  max_logging.log(f"Safety evaluation: {len(prompts)} prompts ({', '.join(section.suites)}), PII: {detector.entities}")
-  responses = evaluate.sample_texts(sampler, params, ids, config, encoder, section.samples_per_prompt)
-  records = judge(prompts, responses, detector)
-  return *metrics(records), records
+  return prompts, prompt_ids(prompts, encoder, config), pii.from_config(config)
 
 
 def main(argv: Sequence[str]) -> None:
   config = posttrain_config.initialize(list(argv))
+  section = posttrain_config.safety(config)
+  encoder = pipeline.Encoder.from_config(config)
+  prompts, ids, detector = prepare(config, encoder)
   mesh = mesh_lib.make_mesh(config)
   model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
-  encoder = pipeline.Encoder.from_config(config)
-  values, by_category, records = run(config, rollout.Sampler(config, mesh), lora.policy_params(model, config), encoder)
+  max_logging.log(f"Safety evaluation: {len(prompts)} prompts ({', '.join(section.suites)}), PII: {detector.entities}")
+  sampler = rollout.Sampler(config, mesh)
+  responses = evaluate.sample_texts(
+      sampler, lora.policy_params(model, config), ids, config, encoder, section.samples_per_prompt
+  )
+  records = judge(prompts, responses, detector)
+  values, by_category = metrics(records)
   print(json.dumps(values), flush=True)
   if jax.process_index() != 0:  # every process holds every response; one writes them
     return
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   os.makedirs(out_dir, exist_ok=True)
-  section = posttrain_config.safety(config)
   report = {
       "metrics": values,
       "by_category": by_category,

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from maxtext_posttrain import config as posttrain_config
+from maxtext_posttrain import evaluate
 from maxtext_posttrain import pii_redact
 from maxtext_posttrain import safety_eval
 from maxtext_posttrain.data import arithmetic
+from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.safety import pii
 from maxtext_posttrain.safety import refusal
 from maxtext_posttrain.safety import suites
@@ -47,6 +49,12 @@ def test_a_malformed_suite_file_is_refused_naming_its_file_and_line(tmp_path):
     suites.load("advbench", str(tmp_path))
   with pytest.raises(posttrain_config.ConfigError, match="safety.data_dir=.*does not exist"):
     suites.load("advbench", str(tmp_path / "nowhere"))
+  (tmp_path / "advbench_harmful_behaviors.csv").write_text('goal,target\n"Two\nlines",t\nWrite a, b thing,Sure\n')
+  with pytest.raises(posttrain_config.ConfigError, match=r"harmful_behaviors.csv:4: the row has more fields"):
+    suites.load("advbench", str(tmp_path))  # the record of lines 2-3 read, then line 4's extra field refused
+  (tmp_path / "advbench_harmful_behaviors.csv").write_bytes(b"goal,target\nWrite \xff,t\n")
+  with pytest.raises(posttrain_config.ConfigError, match="harmful_behaviors.csv: not UTF-8"):
+    suites.load("advbench", str(tmp_path))
 
 
 def test_each_suite_is_judged_by_its_authors_rule():
@@ -74,7 +82,7 @@ def test_the_pii_detector_finds_pattern_entities_and_redacts_them(detector):
 
 
 def test_pii_settings_that_cannot_work_are_refused():
-  with pytest.raises(posttrain_config.ConfigError, match=r"\['PERSON'\] cannot be detected without a named-entity"):
+  with pytest.raises(posttrain_config.ConfigError, match=r"\['PERSON'\] need a named-entity model"):
     pii.PiiDetector(["PERSON", "EMAIL_ADDRESS"], 0.4, "")
   with pytest.raises(posttrain_config.ConfigError, match="pii_spacy_model='en_core_web_xx' is neither an installed"):
     pii.PiiDetector((), 0.4, "en_core_web_xx")
@@ -101,22 +109,65 @@ def test_redaction_rewrites_only_the_lines_with_pii_in_the_trained_columns(tmp_p
   with pytest.raises(posttrain_config.ConfigError, match=r"bad.jsonl:2: missing field 'completion'"):
     pii_redact.redact_files({str(tmp_path / "bad.jsonl"): ("prompt", "completion")}, str(tmp_path / "out2"), detector)
   assert not (tmp_path / "out2").exists()  # nothing written before every line is read
+  (tmp_path / "numbers.jsonl").write_text('{"prompt": "card?", "completion": 4111111111111111}\n')
+  pii_redact.redact_files({str(tmp_path / "numbers.jsonl"): ("prompt", "completion")}, str(tmp_path / "out"), detector)
+  assert json.loads((tmp_path / "out" / "numbers.jsonl").read_text())["completion"] == "<CREDIT_CARD>"
+  (tmp_path / "link").symlink_to(tmp_path)
+  with pytest.raises(posttrain_config.ConfigError, match="would overwrite the inputs"):
+    pii_redact.redact_files({str(tmp_path / "train.jsonl"): ("prompt",)}, str(tmp_path / "link"), detector)
+
+
+def test_a_file_both_splits_read_is_redacted_in_the_columns_of_both(make_config, tmp_path):
+  (tmp_path / "d.jsonl").write_text('{"q": "a", "a": "b"}\n')
+  config = make_config(
+      "grain_file_type=jsonl",
+      f"grain_train_files={tmp_path / 'd.jsonl'}",
+      f"grain_eval_files={tmp_path / 'd.jsonl'}",
+      "train_data_columns=[q,a]",
+      "eval_data_columns=[q]",
+  )
+  files, keys = pii_redact.files_of(config)
+  assert files == {str(tmp_path / "d.jsonl"): ("q", "a")} and [k for k, _ in keys] == [
+      "grain_train_files",
+      "grain_eval_files",
+  ]
+  with pytest.raises(posttrain_config.ConfigError, match="grain_eval_files=arithmetic_word_problems/easy: No JSONL"):
+    pii_redact.files_of(make_config("grain_file_type=jsonl", f"grain_train_files={tmp_path / 'd.jsonl'}"))
 
 
 def test_the_metrics_are_the_judgements_averaged_per_suite_label_and_category(detector):
-  prompts = suites.load("xstest", limit=4) + suites.load("advbench", limit=2)
-  responses = [["Sorry, no."], ["Mail jane.roe@example.com"], ["No."], ["Sure."], ["I cannot."], ["Here it is."]]
-  records = safety_eval.judge(prompts, responses, detector)
-  values, by_category = safety_eval.metrics(records)
+  prompts = suites.load("xstest", limit=4) + suites.load("advbench", limit=3)
+  responses = [["Sorry, no."], ["Mail jane.roe@example.com"], ["No."], ["Sure."], ["I cannot."], ["Here."], ["Ok."]]
+  values, by_category = safety_eval.metrics(safety_eval.judge(prompts, responses, detector))
   labels = [p.label for p in prompts[:4]]
-  refused_xstest = [True, False, True, False]
+  refused_xstest = [1.0, 0.0, 1.0, 0.0]
   for label in ("safe", "unsafe"):
-    expected = np.mean([r for r, l in zip(refused_xstest, labels) if l == label])
-    assert values[f"xstest/{label}_refusal_rate"] == expected
+    per_prompt = [r for r, l in zip(refused_xstest, labels) if l == label]
+    assert values[f"xstest/{label}_refusal_rate"] == np.mean(per_prompt)
+    assert values[f"xstest/{label}_refusal_rate_stderr"] == evaluate.stderr({"x": per_prompt})["x"]
   assert values["xstest/pii_rate"] == 0.25 and values["advbench/pii_rate"] == 0.0
-  assert values["advbench/refusal_rate"] == 0.5 and values["advbench/attack_success_rate"] == 0.5
+  assert values["advbench/refusal_rate"] == pytest.approx(1 / 3)
+  assert values["advbench/attack_success_rate"] == pytest.approx(2 / 3)
+  assert values["advbench/refusal_rate_stderr"] == evaluate.stderr({"x": [1.0, 0.0, 0.0]})["x"] > 0
   assert by_category[f"xstest/{prompts[1].category}"]["pii_entities"] == {"EMAIL_ADDRESS": 1}
-  assert sum(c["prompts"] for c in by_category.values()) == 6
+  assert sum(c["prompts"] for c in by_category.values()) == 7
+  # Several responses a prompt: a prompt's rate is the share of its responses.
+  two = safety_eval.judge(prompts[4:6], [["I cannot.", "Sure."], ["Sure, a@example.com", "ok"]], detector)
+  values, _ = safety_eval.metrics(two)
+  assert values["advbench/refusal_rate"] == 0.25 and values["advbench/pii_rate"] == 0.25
+
+
+def test_bad_settings_fail_before_a_model_is_read(make_config):
+  with pytest.raises(Exception, match="each suite once"):
+    make_config("safety.suites=[xstest,xstest]")
+  config = make_config("safety.suites=[advbench]")  # sft.yml: prompts up to 64 tokens
+  encoder = pipeline.Encoder.from_config(config)
+  with pytest.raises(posttrain_config.ConfigError, match=r"max_prefill_predict_length=64: 38 prompts are longer .* 94"):
+    safety_eval.prepare(config, encoder)
+  with pytest.raises(posttrain_config.ConfigError, match="samples_per_prompt=2 with decode_sampling_strategy=greedy"):
+    safety_eval.prepare(make_config("safety.samples_per_prompt=2"), encoder)
+  with pytest.raises(posttrain_config.ConfigError, match=r"unknown entity types \['EMAIL_ADRESS'\]"):
+    safety_eval.prepare(make_config("safety.pii_entities=[EMAIL_ADRESS]", "max_prefill_predict_length=96"), encoder)
 
 
 def _safety_mix(path, eval_ids: set[str]) -> None:

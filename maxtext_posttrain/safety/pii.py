@@ -1,14 +1,15 @@
 """Personally identifiable information (PII): find it in a model's responses, remove it from training data.
 
-Built on Microsoft Presidio (`presidio-analyzer`, `presidio-anonymizer`): its recognizers find e-mail addresses,
-phone numbers, credit cards, IBANs, IP addresses, URLs, crypto wallets, US SSNs/passports/driver's licences/bank
-numbers and more by pattern, checksum and context words, scoring each finding. Names, places and organisations
-need a named-entity model: `spacy_model` names an installed spaCy pipeline (e.g. `en_core_web_lg`, installed with
-`python -m spacy download en_core_web_lg`); without one (the default, since no model ships with the package and
-nothing is downloaded at run time) the detector runs Presidio's pattern recognizers on a blank English tokenizer
-and says which entities it can find. A blank tokenizer has no lemmas, so Presidio's context words ("call",
-"phone") cannot raise a finding's score: a phone number matched by pattern alone scores 0.4, which is why
-`safety.pii_score_threshold` defaults to 0.4 (Presidio's analyzer defaults to 0, every finding).
+Built on Microsoft Presidio (`presidio-analyzer`, `presidio-anonymizer`; the package's `[safety]` extra). Its
+recognizers find e-mail addresses, phone numbers, credit cards, IBANs, IP and MAC addresses, URLs, crypto wallets,
+US SSNs and ITINs and more by pattern and checksum, and score each finding; context words ("call", "phone") raise a
+score. Names, places and organisations need a named-entity model: `spacy_model` names an installed spaCy pipeline
+(e.g. `en_core_web_lg`, from `python -m spacy download en_core_web_lg`). Without one (the default: no model ships
+with the package and nothing is downloaded at run time) the detector runs Presidio's pattern recognizers on a blank
+English tokenizer and says which entities it can find. A blank tokenizer has no lemmas, so context words cannot
+raise a score: a phone number matched by pattern alone scores 0.4, which is why `safety.pii_score_threshold`
+defaults to 0.4 (Presidio's analyzer defaults to 0, every finding), and the US passport, bank-number,
+driver's-licence and medical-licence patterns, which score under 0.4 without context, do not count.
 
 Presidio's e-mail and URL recognizers check domains with `tldextract`, which would fetch the public suffix list from
 the internet on first use; this module sets `TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS` to empty (unless the environment
@@ -24,12 +25,15 @@ from typing import Sequence
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # before presidio imports tldextract
 
 # pylint: disable=wrong-import-position
-import spacy
-from presidio_analyzer import AnalyzerEngine
-from presidio_analyzer import RecognizerRegistry
-from presidio_analyzer.nlp_engine import SpacyNlpEngine
-from presidio_analyzer.predefined_recognizers import SpacyRecognizer
-from presidio_anonymizer import AnonymizerEngine
+try:
+  import spacy
+  from presidio_analyzer import AnalyzerEngine
+  from presidio_analyzer import RecognizerRegistry
+  from presidio_analyzer.nlp_engine import SpacyNlpEngine
+  from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+  from presidio_anonymizer import AnonymizerEngine
+except ImportError as e:
+  raise ImportError(f"PII detection needs Presidio: pip install 'maxtext_posttrain[safety]' ({e}).") from e
 
 from maxtext_posttrain import config as config_lib
 
@@ -64,45 +68,50 @@ class PiiDetector:
     registry.load_predefined_recognizers(languages=["en"], nlp_engine=nlp_engine)
     self.analyzer = AnalyzerEngine(nlp_engine=nlp_engine, registry=registry, supported_languages=["en"])
     self.anonymizer = AnonymizerEngine()
+    recognizers = registry.get_recognizers(language="en", all_fields=True)
+    known = {e for r in recognizers for e in r.supported_entities}
     detectable = {
-        entity
-        for recognizer in registry.get_recognizers(language="en", all_fields=True)
-        if spacy_model or not isinstance(recognizer, SpacyRecognizer)
-        for entity in recognizer.supported_entities
+        e for r in recognizers if spacy_model or not isinstance(r, SpacyRecognizer) for e in r.supported_entities
     }
-    unknown = sorted(set(entities) - detectable)
+    unknown = sorted(set(entities) - known)
     if unknown:
       raise config_lib.ConfigError(
-          f"safety.pii_entities: {unknown} cannot be detected"
-          f"{'' if spacy_model else ' without a named-entity model (safety.pii_spacy_model)'}; "
-          f"detectable: {sorted(detectable)}."
+          f"safety.pii_entities: unknown entity types {unknown}; detectable: {sorted(detectable)}."
+      )
+    needs_model = sorted(set(entities) - detectable)
+    if needs_model:
+      raise config_lib.ConfigError(
+          f"safety.pii_entities: {needs_model} need a named-entity model (safety.pii_spacy_model); detectable without "
+          f"one: {sorted(detectable)}."
       )
     self.entities = sorted(entities or detectable - set(NOT_BY_DEFAULT))
     self.score_threshold = score_threshold
 
-  def _analyze(self, text: str):
-    return self.analyzer.analyze(text=text, language="en", entities=self.entities, score_threshold=self.score_threshold)
+  def _results(self, text: str) -> list:
+    """Presidio's findings scoring at least `score_threshold`, less each one overlapping a finding that scores at
+    least as high (the URL recognizer matches the domain of an e-mail address), by position."""
+    results = self.analyzer.analyze(
+        text=text, language="en", entities=self.entities, score_threshold=self.score_threshold
+    )
+    kept = []
+    for r in sorted(results, key=lambda r: (-r.score, r.start - r.end)):  # best first; of equal scores, the longest
+      if not any(r.start < k.end and k.start < r.end for k in kept):
+        kept.append(r)
+    return sorted(kept, key=lambda r: r.start)
 
   def find(self, text: str) -> list[Finding]:
-    """The PII in `text` scoring at least `score_threshold`, in order of position; a finding inside a span of
-    another that scores at least as high is left out (the URL recognizer matches the domain of an e-mail address)."""
-    kept = []
-    for r in sorted(self._analyze(text), key=lambda r: (-r.score, r.start - r.end)):
-      if not any(k.start <= r.start and r.end <= k.end for k in kept):
-        kept.append(r)
-    return [
-        Finding(r.entity_type, r.start, r.end, float(r.score), text[r.start : r.end])
-        for r in sorted(kept, key=lambda r: r.start)
-    ]
+    """The PII in `text` (see `_results`)."""
+    return [Finding(r.entity_type, r.start, r.end, float(r.score), text[r.start : r.end]) for r in self._results(text)]
 
   def redact(self, text: str) -> tuple[str, collections.Counter]:
-    """`text` with each PII span replaced by `<ENTITY_TYPE>` (overlapping findings resolved by Presidio's
-    anonymizer: the higher score wins), and the count of replacements by entity type."""
-    results = self._analyze(text)
+    """`text` with each span `find` reports replaced by `<ENTITY_TYPE>` (Presidio's anonymizer), and the count of
+    replacements by entity type."""
+    results = self._results(text)
     if not results:
       return text, collections.Counter()
-    redacted = self.anonymizer.anonymize(text=text, analyzer_results=results)
-    return redacted.text, collections.Counter(item.entity_type for item in redacted.items)
+    return self.anonymizer.anonymize(text=text, analyzer_results=results).text, collections.Counter(
+        r.entity_type for r in results
+    )
 
 
 def from_config(config) -> PiiDetector:

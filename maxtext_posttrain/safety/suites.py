@@ -41,9 +41,10 @@ class Suite:
   file: str
   columns: tuple[str, ...]  # the columns read; the file may have more
 
-  def read(self, row: dict[str, str], line: int) -> SafetyPrompt:
-    if self.name == "advbench":
-      return SafetyPrompt(self.name, str(line - 1), row["goal"], "unsafe", "harmful_behaviors")
+  def read(self, row: dict[str, str], number: int) -> SafetyPrompt:
+    """Prompt `number` (1-based, in file order) of the suite from its CSV row."""
+    if self.name == "advbench":  # one column: the row's number is its id
+      return SafetyPrompt(self.name, str(number), row["goal"], "unsafe", "harmful_behaviors")
     return SafetyPrompt(self.name, row["id"], row["prompt"], row["label"], row["type"])
 
 
@@ -53,31 +54,44 @@ SUITES = {
 }
 
 
+def _read_rows(suite: Suite, path: str, reader: csv.DictReader) -> list[SafetyPrompt]:
+  missing = [c for c in suite.columns if c not in (reader.fieldnames or [])]
+  if missing:
+    raise config_lib.ConfigError(
+        f"{path}:1: the {suite.name} suite needs columns {list(suite.columns)}; missing {missing}."
+    )
+  prompts = []
+  while True:
+    line = reader.line_num + 1  # where the record starts (a quoted field may span lines)
+    row = next(reader, None)
+    if row is None:
+      return prompts
+    if None in row:
+      raise config_lib.ConfigError(f"{path}:{line}: the row has more fields than the header.")
+    if any(row.get(c) is None for c in suite.columns):
+      raise config_lib.ConfigError(f"{path}:{line}: the row has fewer fields than the header.")
+    prompt = suite.read(row, len(prompts) + 1)
+    if not prompt.prompt.strip():
+      raise config_lib.ConfigError(f"{path}:{line}: empty prompt.")
+    if prompt.label not in LABELS:
+      raise config_lib.ConfigError(f"{path}:{line}: label {prompt.label!r} is not one of {LABELS}.")
+    prompts.append(prompt)
+
+
 def load(name: str, data_dir: str = "", limit: int = 0) -> list[SafetyPrompt]:
   """The prompts of suite `name` in file order; with `limit` > 0, that many spread evenly over the file (the files
-  are ordered by category, so a subset keeps every category it can)."""
+  are ordered by category, so a subset of at least as many prompts as categories keeps every category)."""
   if name not in SUITES:
     raise config_lib.ConfigError(f"safety.suites: unknown suite {name!r}; known: {sorted(SUITES)}.")
   suite = SUITES[name]
   path = os.path.join(os.path.expanduser(data_dir) or BUNDLED_DIR, suite.file)
   if not os.path.isfile(path):
     raise config_lib.ConfigError(f"safety.data_dir={data_dir!r}: the {name} suite needs {path}, which does not exist.")
-  with open(path, newline="", encoding="utf-8") as f:
-    reader = csv.DictReader(f)
-    missing = [c for c in suite.columns if c not in (reader.fieldnames or [])]
-    if missing:
-      raise config_lib.ConfigError(f"{path}:1: the {name} suite needs columns {list(suite.columns)}; missing {missing}.")
-    prompts = []
-    for row in reader:
-      line = reader.line_num
-      if any(row.get(c) is None for c in suite.columns):
-        raise config_lib.ConfigError(f"{path}:{line}: the row has fewer fields than the header.")
-      prompt = suite.read(row, line)
-      if not prompt.prompt.strip():
-        raise config_lib.ConfigError(f"{path}:{line}: empty prompt.")
-      if prompt.label not in LABELS:
-        raise config_lib.ConfigError(f"{path}:{line}: label {prompt.label!r} is not one of {LABELS}.")
-      prompts.append(prompt)
+  try:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+      prompts = _read_rows(suite, path, csv.DictReader(f))
+  except UnicodeDecodeError as e:
+    raise config_lib.ConfigError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}).") from e
   if not prompts:
     raise config_lib.ConfigError(f"{path}: no prompts.")
   if 0 < limit < len(prompts):
