@@ -5,8 +5,9 @@
 
 Scores the log-perplexity of each canary's completion given its prompt (the negative sum of the completion tokens'
 log-probs, as the run's tokenizer encodes the record, `prompt_template` included) and that of `--references` random
-secrets of the same format, and reports each canary's exposure (`maxtext_posttrain.safety.canaries`): about 1 bit
-for a secret the model has not learned (the controls), up to the cap log2(1 + references) for one it has. Writes
+secrets of the same format, and reports each canary's exposure (`maxtext_posttrain.safety.canaries`): 1 bit for the
+median secret the model has not learned (a control's varies: a few bits either way), up to the cap log2(1 +
+references) for one it has. Writes
 `<base_output_directory>/<run_name>/canary_exposure.json` (per canary: secret, times planted, log-perplexity,
 exposure; the cap; the references' log-perplexity quartiles) and `canary_exposure.png` (exposure against times
 planted), and prints one JSON line per canary. `load_parameters_path` is the trained model (a LoRA run's adapters on
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 from absl import flags
+from jax.experimental import multihost_utils
 
 from maxtext.utils import max_logging
 from maxtext_posttrain import cli
@@ -38,7 +40,6 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 _CANARIES = flags.DEFINE_string("canaries", None, "The canaries.json plant_canaries wrote.", required=True)
 _REFERENCES = flags.DEFINE_integer("references", 1000, "Random secrets each canary is ranked against.")
-_BATCH = 64  # rows scored per call (the last call padded), one compiled program
 
 
 def _completion_logps(model, batch):
@@ -47,31 +48,41 @@ def _completion_logps(model, batch):
   return jnp.sum(logps * batch["weights"], axis=-1)
 
 
-def log_perplexities(scorer: roles.FrozenModel, encoder: pipeline.Encoder, prompt: str, completions: list[str]):
-  """[N] float64: -sum log p(completion | prompt) of each completion under the scorer's model."""
+def canary_rows(encoder: pipeline.Encoder, prompt: str, completions: list[str], length: int) -> list[dict]:
+  """Each record as training encodes it (BOS, `prompt_template`, EOS) in a row of `length` whose weights mark the
+  completion's tokens; a record longer than `length` is refused."""
   prompt_ids = encoder.prompt_ids(prompt)
-  rows = [prompt_ids + encoder.completion_ids(c) for c in completions]
-  longest = max(len(r) for r in rows)
-  if longest > scorer.config.max_target_length:
-    raise posttrain_config.ConfigError(
-        f"max_target_length={scorer.config.max_target_length}: a canary record has {longest} tokens."
-    )
-  length = min(scorer.config.max_target_length, 1 << (longest - 1).bit_length())
-  arrays = [preference.side_arrays(prompt_ids, r[len(prompt_ids) :], length, 0) for r in rows]
+  completion_ids = [encoder.completion_ids(c) for c in completions]
+  longest = len(prompt_ids) + max(len(c) for c in completion_ids)
+  if longest > length:
+    raise posttrain_config.ConfigError(f"max_target_length={length}: a canary record has {longest} tokens.")
+  return [preference.side_arrays(prompt_ids, c, length, 0) for c in completion_ids]
+
+
+def log_perplexities(scorer: roles.FrozenModel, rows: list[dict], mesh) -> np.ndarray:
+  """[N] float64: -sum of the weighted tokens' log-probs of each row under the scorer's model, scored
+  `global_batch_size_to_train_on` rows a call on the input data sharding (the last call padded), gathered on every
+  process."""
+  config = scorer.config
+  per_call = config.global_batch_size_to_train_on
   out = []
-  for start in range(0, len(arrays), _BATCH):
-    chunk = arrays[start : start + _BATCH]
-    chunk += [chunk[-1]] * (_BATCH - len(chunk))
-    batch = {key: np.stack([a[key] for a in chunk]) for key in chunk[0]}
-    out.append(np.asarray(jax.device_get(scorer.run(_completion_logps, batch)), np.float64))
-  return -np.concatenate(out)[: len(rows)]
+  for start in range(0, len(rows), per_call):
+    chunk = rows[start : start + per_call]
+    chunk += [chunk[-1]] * (per_call - len(chunk))
+    batch = pipeline.global_batch({key: np.stack([r[key] for r in chunk]) for key in chunk[0]}, config, mesh)
+    out.append(np.asarray(multihost_utils.process_allgather(scorer.run(_completion_logps, batch), tiled=True)))
+  scores = -np.concatenate(out).astype(np.float64)[: len(rows)]
+  if not np.all(np.isfinite(scores)):
+    raise ValueError(
+        f"Non-finite log-perplexities ({int(np.sum(~np.isfinite(scores)))} of {len(scores)}): the model's weights are not finite."
+    )
+  return scores
 
 
-def measure(scorer: roles.FrozenModel, encoder: pipeline.Encoder, canary_set, num_references: int) -> dict:
-  """The report: each canary's log-perplexity and exposure against `num_references` random secrets."""
-  references = canaries_lib.reference_secrets(canary_set, num_references, canary_set.seed)
-  completions = [canary_set.completion(s) for s in canary_set.secrets + tuple(references)]
-  scores = log_perplexities(scorer, encoder, canary_set.prompt, completions)
+def measure(scorer: roles.FrozenModel, rows: list[dict], mesh, canary_set, num_references: int) -> dict:
+  """The report: each canary's log-perplexity and exposure against the references (`rows`: `canary_rows` of the
+  canaries' completions, then the references')."""
+  scores = log_perplexities(scorer, rows, mesh)
   canary_scores, reference_scores = scores[: len(canary_set.secrets)], scores[len(canary_set.secrets) :]
   rows = [
       {
@@ -86,7 +97,7 @@ def measure(scorer: roles.FrozenModel, encoder: pipeline.Encoder, canary_set, nu
       "canaries": rows,
       "references": num_references,
       "exposure_cap": math.log2(1 + num_references),
-      "space_bits": canary_set.digits * math.log2(10),
+      "space_bits": canary_set.digits * math.log2(10),  # the exposure of a secret ranked first among all of them
       "reference_log_perplexity_quartiles": [float(q) for q in np.quantile(reference_scores, [0.25, 0.5, 0.75])],
   }
 
@@ -115,9 +126,12 @@ def exposure_report(argv: list[str], canaries_path: str, num_references: int) ->
     canary_set = canaries_lib.CanarySet.load(canaries_path)
   except (OSError, ValueError, TypeError) as e:
     raise posttrain_config.ConfigError(f"--canaries={canaries_path}: not a canaries.json of plant_canaries ({e}).") from e
+  references = canaries_lib.reference_secrets(canary_set, num_references, canary_set.seed)
+  completions = [canary_set.completion(s) for s in canary_set.secrets + tuple(references)]
+  rows = canary_rows(pipeline.Encoder.from_config(config), canary_set.prompt, completions, config.max_target_length)
   mesh = mesh_lib.make_mesh(config)
   scorer = roles.build_frozen(roles.RoleSpec("canary_scorer", trained=False), config, mesh, copy=True)
-  report = measure(scorer, pipeline.Encoder.from_config(config), canary_set, num_references)
+  report = measure(scorer, rows, mesh, canary_set, num_references)
   report["params"] = config.load_parameters_path or f"random init (init_weights_seed={config.init_weights_seed})"
   if jax.process_index() == 0:
     out_dir = os.path.join(config.base_output_directory, config.run_name)

@@ -14,6 +14,7 @@ canaries mix with the data, then measure with `python -m maxtext_posttrain.canar
 
 import json
 import os
+import pathlib
 
 from absl import flags
 
@@ -44,13 +45,29 @@ def plant(config, canary_dir: str, canary_set: canaries_lib.CanarySet) -> str:
         f"posttrain_mode={config.posttrain_mode} grain_file_type={config.grain_file_type}: canaries are planted in "
         "SFT data read from JSONL files (posttrain_mode=sft grain_file_type=jsonl)."
     )
+  if len(config.train_data_columns) != 2:
+    raise posttrain_config.ConfigError(
+        f"train_data_columns={list(config.train_data_columns)}: SFT's two columns (prompt, completion) name the "
+        "canary records' fields."
+    )
   try:
     files = sources.jsonl_files(config.grain_train_files)
   except ValueError as e:
     raise posttrain_config.ConfigError(f"grain_train_files={config.grain_train_files}: {e}") from e
-  canary_path = os.path.join(canary_dir, CANARY_FILE)
-  if any(os.path.realpath(path) == os.path.realpath(canary_path) for path in files):
-    raise posttrain_config.ConfigError(f"grain_train_files already holds {canary_path}: plant into another directory.")
+  canary_path = os.path.abspath(os.path.join(canary_dir, CANARY_FILE))
+  for key in ("grain_train_files", "grain_eval_files"):
+    patterns = [os.path.abspath(os.path.expanduser(p.strip())) for p in getattr(config, key).split(",") if p.strip()]
+    if any(pathlib.PurePath(canary_path).match(pattern) for pattern in patterns):  # glob's rules: * stops at /
+      raise posttrain_config.ConfigError(
+          f"{key}={getattr(config, key)} would read {canary_path} as data of its own: plant into another directory."
+      )
+  if not config.enable_data_shuffling:
+    max_logging.log(
+        "plant_canaries: warning: enable_data_shuffling=false: the canary file is read after the data, so a run of less "
+        "than an epoch may never see it."
+    )
+  if os.path.exists(os.path.join(canary_dir, SPEC_FILE)):
+    max_logging.log(f"plant_canaries: warning: replacing {os.path.join(canary_dir, SPEC_FILE)} and its secrets.")
   os.makedirs(canary_dir, exist_ok=True)
   with open(canary_path, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r) + "\n" for r in canary_set.records(tuple(config.train_data_columns)))

@@ -43,7 +43,7 @@ _FILE_SECONDS = {
     "test_reward_model.py": 560,
     "test_multiprocess.py": 335,
     "test_preference.py": 230,
-    "test_distill.py": 170,
+    "test_distill.py": 140,
     "test_peft.py": 160,
     "test_grpo.py": 150,
     "test_benchmarks.py": 110,

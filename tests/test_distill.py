@@ -20,7 +20,7 @@ DEEP = f"base_num_decoder_layers={run_utils.DEEP_SFT_LAYERS}"
 
 
 TRANSFER_SET = 128  # training problems the students see; the teacher learnt from the full 20,000
-TRANSFER_STEPS = 120
+TRANSFER_STEPS = 80
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def transfer_runs(tmp_path_factory, deep_sft_checkpoint):
 
 def test_a_distilled_student_has_a_lower_held_out_cross_entropy_than_the_same_student_trained_by_sft(transfer_runs):
   """On a small transfer set the SFT student memorises its labels; the teacher's soft targets carry what the teacher
-  learnt from all the data, giving a held-out cross entropy at least 20% lower (0.34 against 0.64).
+  learnt from all the data, giving a held-out cross entropy at least 20% lower (0.29 against 0.48 after 80 steps;
+  0.34 against 0.64 after 120).
 
   Greedy answer accuracy is not asserted: at this size halving the cross entropy does not become many more right
   answers, and on a few held-out prompts the sign of the difference follows the last digits of the trajectories

@@ -10,8 +10,11 @@ import pytest
 from maxtext_posttrain import canary_exposure
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import evaluate
+from maxtext_posttrain import forward
+from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import pii_redact
 from maxtext_posttrain import plant_canaries
+from maxtext_posttrain import roles
 from maxtext_posttrain import safety_eval
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import pipeline
@@ -273,8 +276,53 @@ def test_exposure_is_the_rank_among_references_in_bits():
   assert canaries.exposure(0.5, references) == 10.0  # below every reference: the cap, log2(1 + 1023)
   assert canaries.exposure(1023.0, references) == 0.0  # above them all
   assert canaries.exposure(511.0, references) == pytest.approx(1.0)  # at the median: 1 bit
+  for n in (2, 8, 27, 1000):  # the cap exactly, whatever the count
+    assert canaries.exposure(0.0, np.ones(n)) == np.log2(1 + n)
+  with pytest.raises(ValueError, match="finite"):
+    canaries.exposure(float("nan"), references)
   canary_set = canaries.draw("p", "s {secret}", 2, [3, 1], 2, seed=4)
   assert len(set(canary_set.secrets)) == 4 and canary_set.repeats == (3, 1, 0, 0)
   assert not set(canaries.reference_secrets(canary_set, 200, seed=4)) & set(canary_set.secrets)
   with pytest.raises(posttrain_config.ConfigError, match="has no {secret}"):
     canaries.draw("p", "no secret", 6, [1], 0, seed=0)
+
+
+def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(make_config):
+  """The batched scores (4 rows a call, the last call padded) equal the log-softmax of the completion's tokens, EOS
+  included, read off one unpadded forward pass per record."""
+  config = make_config("per_device_batch_size=4")
+  encoder = pipeline.Encoder.from_config(config)
+  mesh = mesh_lib.make_mesh(config)
+  scorer = roles.build_frozen(roles.RoleSpec("canary_scorer", trained=False), config, mesh, copy=True)
+  completions = [f"The vault code is {canaries.random_secret(np.random.default_rng(i), 6)}." for i in range(10)]
+  rows = canary_exposure.canary_rows(encoder, "What is the vault code?", completions, config.max_target_length)
+  batched = canary_exposure.log_perplexities(scorer, rows, mesh)
+  prompt = encoder.prompt_ids("What is the vault code?")
+  for completion, score in zip(completions, batched):
+    ids = prompt + encoder.completion_ids(completion)
+    assert ids[-1] == encoder.tokenizer.eos_id
+    inputs = np.asarray([ids], np.int32)
+    logits = scorer.run(
+        lambda m, x, p, s: forward.logits(m, x, p, s), inputs, np.arange(len(ids))[None], np.ones_like(inputs)
+    )
+    logits = np.asarray(logits, np.float64)[0]
+    top = logits.max(axis=-1, keepdims=True)
+    logps = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+    assert score == pytest.approx(-sum(logps[i - 1, ids[i]] for i in range(len(prompt), len(ids))), rel=1e-5)
+
+
+def test_canaries_are_planted_only_where_training_reads_them_apart(make_config, tmp_path):
+  (tmp_path / "d.jsonl").write_text('{"q": "a", "a": "b"}\n')
+  canary_set = canaries.draw("p", "s {secret}", 6, [1], 0, seed=0)
+  data = ["grain_file_type=jsonl", f"grain_train_files={tmp_path}/*.jsonl", "train_data_columns=[q,a]"]
+  with pytest.raises(posttrain_config.ConfigError, match=r"grain_train_files=.*would read .*canaries.jsonl as data"):
+    plant_canaries.plant(make_config(*data), str(tmp_path), canary_set)
+  with pytest.raises(posttrain_config.ConfigError, match=r"train_data_columns=\['q'\]: SFT's two columns"):
+    plant_canaries.plant(make_config(*data[:2], "train_data_columns=[q]"), str(tmp_path / "c"), canary_set)
+  assert not (tmp_path / "c").exists()
+  files = plant_canaries.plant(make_config(*data), str(tmp_path / "c"), canary_set)
+  assert files == f"{tmp_path / 'd.jsonl'},{tmp_path / 'c' / 'canaries.jsonl'}"
+  assert json.loads((tmp_path / "c" / "canaries.jsonl").read_text()) == {
+      "q": "p",
+      "a": canary_set.completion(canary_set.secrets[0]),
+  }

@@ -8,8 +8,8 @@ of its tokens' log-probs given the prompt) is ranked against that of reference s
 
   exposure = -log2 P(a random secret's log-perplexity <= the canary's)
 
-A secret the model has not learned sits among the references (exposure about 1 bit: a control's); a memorised one
-beats them all. With the whole space of 10^digits secrets ranked, exposure can reach log2(10^digits) (19.9 bits for 6
+A secret the model has not learned sits among the references (1 bit for the median such secret; a control's
+exposure varies by a few bits either way); a memorised one beats them all. With the whole space of 10^digits secrets ranked, exposure can reach log2(10^digits) (19.9 bits for 6
 digits); ranking `num_references` random secrets estimates the probability as (1 + references at or below the
 canary) / (1 + num_references), so the estimate is capped at log2(1 + num_references) (10 bits for 1,000). The paper
 extrapolates beyond the cap by fitting a skew-normal to the references; this module reports the capped estimate and
@@ -57,7 +57,10 @@ class CanarySet:
   def load(cls, path: str) -> "CanarySet":
     with open(path, encoding="utf-8") as f:
       fields = json.load(f)
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    canary_set = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    if len(canary_set.secrets) != len(canary_set.repeats):
+      raise ValueError(f"{len(canary_set.secrets)} secrets for {len(canary_set.repeats)} repeat counts.")
+    return canary_set
 
 
 def random_secret(rng: np.random.Generator, digits: int) -> str:
@@ -99,6 +102,10 @@ def reference_secrets(canaries: CanarySet, num_references: int, seed: int) -> li
 
 
 def exposure(canary_log_perplexity: float, reference_log_perplexities: np.ndarray) -> float:
-  """-log2 of the estimated chance that a random secret is at least as likely as the canary (see the module doc)."""
-  at_or_below = int(np.sum(np.asarray(reference_log_perplexities) <= canary_log_perplexity))
-  return -math.log2((1 + at_or_below) / (1 + len(reference_log_perplexities)))
+  """log2(1 + n) - log2(1 + k): n references, k of them at least as likely as the canary (log-perplexity at or
+  below its): -log2 of the estimated chance of the module doc, its rank among the references and itself in bits."""
+  references = np.asarray(reference_log_perplexities)
+  if not (np.isfinite(canary_log_perplexity) and np.all(np.isfinite(references))):
+    raise ValueError("Exposure needs finite log-perplexities.")
+  at_or_below = int(np.sum(references <= canary_log_perplexity))
+  return math.log2(1 + len(references)) - math.log2(1 + at_or_below)
