@@ -54,7 +54,8 @@ EXTRAS_REQUIRE = {
     "test": ["pytest>=9.1.1", "pytest-xdist>=3.8.0", "pyink>=26.5.1"],
     # safety_eval and pii_redact (maxtext_posttrain.safety.pii); tldextract >= 5.4 reads the variable that keeps it
     # offline (TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS)
-    "safety": ["presidio-analyzer>=2.2.362", "presidio-anonymizer>=2.2.362", "tldextract>=5.4.0"],
+    # presidio-analyzer as requirements/cpu.txt pins it: later releases ask numpy < 2.5, below MaxText's closure.
+    "safety": ["presidio-analyzer==2.2.362", "presidio-anonymizer>=2.2.362", "tldextract>=5.4.0"],
 }
 
 setuptools.setup(

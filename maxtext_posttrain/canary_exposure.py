@@ -6,7 +6,7 @@
 Scores the log-perplexity of each canary's completion given its prompt (the negative sum of the completion tokens'
 log-probs, as the run's tokenizer encodes the record, `prompt_template` included) and that of `--references` random
 secrets of the same format, and reports each canary's exposure (`maxtext_posttrain.safety.canaries`): 1 bit for the
-median secret the model has not learned (a control's varies: a few bits either way), up to the cap log2(1 +
+median secret the model has not learned (a control's is e bits or more with chance 2^-e), up to the cap log2(1 +
 references) for one it has. Writes
 `<base_output_directory>/<run_name>/canary_exposure.json` (per canary: secret, times planted, log-perplexity,
 exposure; the cap; the references' log-perplexity quartiles) and `canary_exposure.png` (exposure against times
@@ -16,20 +16,18 @@ it with `lora.lora_restore_path`).
 
 import json
 import math
-import os
 
-import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 
-from maxtext.utils import max_logging
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import forward
 from maxtext_posttrain import mesh as mesh_lib
+from maxtext_posttrain import reports
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference
@@ -73,9 +71,8 @@ def log_perplexities(scorer: roles.FrozenModel, rows: list[dict], mesh) -> np.nd
     out.append(np.asarray(multihost_utils.process_allgather(scorer.run(_completion_logps, batch), tiled=True)))
   scores = -np.concatenate(out).astype(np.float64)[: len(rows)]
   if not np.all(np.isfinite(scores)):
-    raise ValueError(
-        f"Non-finite log-perplexities ({int(np.sum(~np.isfinite(scores)))} of {len(scores)}): the model's weights are not finite."
-    )
+    bad = int(np.sum(~np.isfinite(scores)))
+    raise cli.Failure(f"Non-finite log-perplexities ({bad} of {len(scores)}): the model's weights are not finite.")
   return scores
 
 
@@ -84,7 +81,7 @@ def measure(scorer: roles.FrozenModel, rows: list[dict], mesh, canary_set, num_r
   canaries' completions, then the references')."""
   scores = log_perplexities(scorer, rows, mesh)
   canary_scores, reference_scores = scores[: len(canary_set.secrets)], scores[len(canary_set.secrets) :]
-  rows = [
+  per_canary = [
       {
           "secret": secret,
           "planted": planted,
@@ -94,7 +91,7 @@ def measure(scorer: roles.FrozenModel, rows: list[dict], mesh, canary_set, num_r
       for secret, planted, score in zip(canary_set.secrets, canary_set.repeats, canary_scores)
   ]
   return {
-      "canaries": rows,
+      "canaries": per_canary,
       "references": num_references,
       "exposure_cap": math.log2(1 + num_references),
       "space_bits": canary_set.digits * math.log2(10),  # the exposure of a secret ranked first among all of them
@@ -124,7 +121,7 @@ def exposure_report(argv: list[str], canaries_path: str, num_references: int) ->
     raise posttrain_config.ConfigError(f"--references={num_references}: rank against at least one secret.")
   try:
     canary_set = canaries_lib.CanarySet.load(canaries_path)
-  except (OSError, ValueError, TypeError) as e:
+  except (OSError, ValueError, TypeError, AttributeError) as e:
     raise posttrain_config.ConfigError(f"--canaries={canaries_path}: not a canaries.json of plant_canaries ({e}).") from e
   references = canaries_lib.reference_secrets(canary_set, num_references, canary_set.seed)
   completions = [canary_set.completion(s) for s in canary_set.secrets + tuple(references)]
@@ -132,14 +129,8 @@ def exposure_report(argv: list[str], canaries_path: str, num_references: int) ->
   mesh = mesh_lib.make_mesh(config)
   scorer = roles.build_frozen(roles.RoleSpec("canary_scorer", trained=False), config, mesh, copy=True)
   report = measure(scorer, rows, mesh, canary_set, num_references)
-  report["params"] = config.load_parameters_path or f"random init (init_weights_seed={config.init_weights_seed})"
-  if jax.process_index() == 0:
-    out_dir = os.path.join(config.base_output_directory, config.run_name)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "canary_exposure.json"), "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=1)
-    png = plot(report, os.path.join(out_dir, "canary_exposure.png"))
-    max_logging.log(f"Wrote {out_dir}/canary_exposure.json and {png}.")
+  report["params"] = reports.params_source(config)
+  reports.write(config, "canary_exposure", report, lambda png: plot(report, png))
   return report
 
 

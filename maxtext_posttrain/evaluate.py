@@ -23,7 +23,6 @@ objectives run the same evaluation every `eval_interval` steps.
 import collections
 import dataclasses
 import json
-import os
 from typing import Sequence
 
 import jax
@@ -31,10 +30,10 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
-from maxtext.utils import max_logging
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import mesh as mesh_lib
+from maxtext_posttrain import reports
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
@@ -82,6 +81,12 @@ def stderr(per_prompt: dict[str, Sequence[float]]) -> dict[str, float]:
   """The bootstrap standard error over prompts of each metric's mean."""
   rows = _bootstrap_rows(len(next(iter(per_prompt.values()))))
   return {name: float(np.std(np.asarray(values)[rows].mean(axis=1), ddof=1)) for name, values in per_prompt.items()}
+
+
+def means_with_stderr(per_prompt: dict[str, Sequence[float]], prefix: str = "") -> dict[str, float]:
+  """Each metric's mean over prompts and its bootstrap standard error (`<prefix><name>_stderr`)."""
+  means = {f"{prefix}{name}": float(np.mean(values)) for name, values in per_prompt.items()}
+  return means | {f"{prefix}{name}_stderr": value for name, value in stderr(per_prompt).items()}
 
 
 def paired_stderr(before: dict[str, Sequence[float]], after: dict[str, Sequence[float]]) -> dict[str, float]:
@@ -155,8 +160,7 @@ def evaluate(sampler, params, prompt_set, config, encoder: pipeline.Encoder) -> 
   (`<name>_stderr`), and each prompt's completions and scores."""
   texts = sample_texts(sampler, params, prompt_set.prompt_ids, config, encoder, config.eval_samples_per_prompt)
   per_prompt = per_prompt_scores(texts, prompt_set.answers[: len(texts)], config.eval_pass_at_k)
-  metrics = {name: float(np.mean(values)) for name, values in per_prompt.items()}
-  metrics |= {f"{name}_stderr": value for name, value in stderr(per_prompt).items()}
+  metrics = means_with_stderr(per_prompt)
   samples = [
       {"prompt": prompt, "answer": answer, "completions": group, "scores": {k: v[p] for k, v in per_prompt.items()}}
       for p, (prompt, answer, group) in enumerate(zip(prompt_set.prompt_texts, prompt_set.answers, texts))
@@ -194,22 +198,15 @@ def main(argv: Sequence[str]) -> None:
       rollout.Sampler(config, mesh), lora.policy_params(model, config), prompt_set, config, encoder
   )
   print(json.dumps(metrics), flush=True)
-  if jax.process_index() != 0:  # every process holds every sample; one writes them
-    return
-  out_dir = os.path.join(config.base_output_directory, config.run_name)
-  os.makedirs(out_dir, exist_ok=True)
   report = {
       "metrics": metrics,
-      "params": config.load_parameters_path or f"random init (init_weights_seed={config.init_weights_seed})",
+      "params": reports.params_source(config),
       "prompts": prompt_set.describe(),
       "samples_per_prompt": config.eval_samples_per_prompt,
       "sampling": dataclasses.asdict(rollout.SamplingParams.from_config(config)),
       "samples": samples,
   }
-  with open(os.path.join(out_dir, "evaluation.json"), "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=1)
-  png = plot(metrics, os.path.join(out_dir, "evaluation.png"), f"{len(samples)} held-out prompts")
-  max_logging.log(f"Wrote {out_dir}/evaluation.json and {png}.")
+  reports.write(config, "evaluation", report, lambda png: plot(metrics, png, f"{len(samples)} held-out prompts"))
 
 
 if __name__ == "__main__":

@@ -2,21 +2,22 @@
 
   python -m maxtext_posttrain.pii_redact <config.yml> grain_file_type=jsonl grain_train_files=<files> \\
       grain_eval_files=<files> train_data_columns=[prompt,completion] eval_data_columns=[prompt,completion] \\
-      [key=value ...] --output_dir=<dir>
+      [key=value ...] --redacted_dir=<dir>
 
 Fine-tuning data drawn from real conversations or documents carries e-mail addresses, phone numbers, card and account
 numbers; a model trained on them can repeat them. This command reads the files of the config's `grain_train_files`
 and `grain_eval_files` (JSONL, comma-separated paths or globs), replaces every PII span that Presidio finds in their
 `train_data_columns` / `eval_data_columns` with its type (`<EMAIL_ADDRESS>`, `<PHONE_NUMBER>`, ...; the detector's
-`safety.pii_*` keys), keeps every other field and line as it was, and writes each file under `--output_dir` by its
-own name. It prints the replacements per entity type and the keys that train on the redacted files. A malformed
-line fails naming its file and line, before any output is written.
+`safety.pii_*` keys), keeps every other field and line as it was, and writes each file under `--redacted_dir` by its
+own name. It prints the placeholders written per entity type and the keys that train on the redacted files. A malformed
+line fails naming its file and line, before any output is written. A host-side tool: run it as one process.
 """
 
 import collections
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 from absl import flags
 
@@ -25,9 +26,11 @@ from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import progress
 from maxtext_posttrain.data import sources
-from maxtext_posttrain.safety import pii
 
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Directory the redacted files are written to.", required=True)
+if TYPE_CHECKING:  # imported where used: without the [safety] extra the command fails in one line, not at import
+  from maxtext_posttrain.safety import pii
+
+_REDACTED_DIR = flags.DEFINE_string("redacted_dir", None, "Directory the redacted files are written to.", required=True)
 _LOG_SECONDS = 30.0
 
 
@@ -46,31 +49,31 @@ def _read(path: str, columns: tuple[str, ...]) -> list[tuple[str, dict | None]]:
   return rows
 
 
-def _output_paths(files, output_dir: str) -> dict[str, str]:
-  """Where each input is written: `output_dir/<its name>`, never over an input (symlinks resolved) or another output."""
+def _output_paths(files, redacted_dir: str) -> dict[str, str]:
+  """Where each input is written: `redacted_dir/<its name>`, never over an input (symlinks resolved) or another output."""
   names = [os.path.basename(path) for path in files]
   clash = [name for name, count in collections.Counter(names).items() if count > 1]
   if clash:
     raise posttrain_config.ConfigError(f"Input files share the names {clash}; they would overwrite each other.")
-  outputs = {path: os.path.join(output_dir, os.path.basename(path)) for path in files}
+  outputs = {path: os.path.join(redacted_dir, os.path.basename(path)) for path in files}
   inputs = {os.path.realpath(path) for path in files}
   overwritten = [out for out in outputs.values() if os.path.realpath(out) in inputs]
   if overwritten:
-    raise posttrain_config.ConfigError(f"--output_dir={output_dir} would overwrite the inputs {overwritten}.")
+    raise posttrain_config.ConfigError(f"--redacted_dir={redacted_dir} would overwrite the inputs {overwritten}.")
   return outputs
 
 
 def redact_files(
-    files: dict[str, tuple[str, ...]], output_dir: str, detector: pii.PiiDetector
+    files: dict[str, tuple[str, ...]], redacted_dir: str, detector: "pii.PiiDetector"
 ) -> tuple[dict[str, str], collections.Counter]:
-  """Writes each of `files` (path -> columns to redact) redacted under `output_dir`; returns the written path of each
+  """Writes each of `files` (path -> columns to redact) redacted under `redacted_dir`; returns the written path of each
   input and the replacements by entity type. Numbers in the columns are read as text, as training reads them."""
-  outputs = _output_paths(files, output_dir)
+  outputs = _output_paths(files, redacted_dir)
   contents = {path: _read(path, columns) for path, columns in files.items()}
   total = sum(record is not None for rows in contents.values() for _, record in rows)
   counts, done = collections.Counter(), 0
   start = last_log = time.perf_counter()
-  os.makedirs(output_dir, exist_ok=True)
+  os.makedirs(redacted_dir, exist_ok=True)
   for path, rows in contents.items():
     with open(outputs[path], "w", encoding="utf-8") as out:
       for line, record in rows:
@@ -120,10 +123,14 @@ def files_of(config) -> tuple[dict[str, tuple[str, ...]], list[tuple[str, list[s
 def main(argv: list[str]) -> None:
   config = posttrain_config.initialize(list(argv))
   files, keys = files_of(config)
-  written, counts = redact_files(files, _OUTPUT_DIR.value, pii.from_config(config))
+  from maxtext_posttrain.safety import pii  # pylint: disable=import-outside-toplevel,redefined-outer-name
+
+  written, counts = redact_files(files, _REDACTED_DIR.value, pii.from_config(config))
   summary = ", ".join(f"{entity} {n}" for entity, n in counts.most_common()) or "none found"
   run_keys = " ".join(f"{key}={','.join(written[p] for p in paths)}" for key, paths in keys)
-  max_logging.log(f"Redacted {len(written)} files into {_OUTPUT_DIR.value}: {summary}. Train on them with:\n  {run_keys}")
+  max_logging.log(
+      f"Redacted {len(written)} files into {_REDACTED_DIR.value}: {summary}. Train on them with:\n  {run_keys}"
+  )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Writes `<canary_dir>/canaries.jsonl` (the planted records, with the config's two
 planted), and prints the `grain_train_files` that add the canary file to the config's own files. The user's files
 are not rewritten. Train with shuffling on (MaxText's `enable_data_shuffling`, on in the bundled configs) so the
 canaries mix with the data, then measure with `python -m maxtext_posttrain.canary_exposure` (see
-`maxtext_posttrain.safety.canaries` for what exposure means).
+`maxtext_posttrain.safety.canaries` for what exposure means). A host-side tool: run it as one process.
 """
 
 import json
@@ -77,9 +77,11 @@ def plant(config, canary_dir: str, canary_set: canaries_lib.CanarySet) -> str:
 
 def main(argv: list[str]) -> None:
   config = posttrain_config.initialize(list(argv))
-  canary_set = canaries_lib.draw(
-      _PROMPT.value, _COMPLETION.value, _DIGITS.value, [int(r) for r in _REPEATS.value], _CONTROLS.value, _SEED.value
-  )
+  try:
+    repeats = [int(r) for r in _REPEATS.value]
+  except ValueError as e:
+    raise posttrain_config.ConfigError(f"--repeats={','.join(_REPEATS.value)}: whole numbers, one per canary.") from e
+  canary_set = canaries_lib.draw(_PROMPT.value, _COMPLETION.value, _DIGITS.value, repeats, _CONTROLS.value, _SEED.value)
   train_files = plant(config, _CANARY_DIR.value, canary_set)
   planted = sum(canary_set.repeats)
   max_logging.log(

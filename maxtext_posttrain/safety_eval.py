@@ -26,10 +26,8 @@ do), and prints the metrics as one JSON line.
 import collections
 import dataclasses
 import json
-import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import jax
 import matplotlib
 import numpy as np
 
@@ -38,12 +36,15 @@ from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import evaluate
 from maxtext_posttrain import mesh as mesh_lib
+from maxtext_posttrain import reports
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.peft import lora
-from maxtext_posttrain.safety import pii
 from maxtext_posttrain.safety import refusal
 from maxtext_posttrain.safety import suites
+
+if TYPE_CHECKING:  # imported where used: without the [safety] extra the command fails in one line, not at import
+  from maxtext_posttrain.safety import pii
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
@@ -64,7 +65,7 @@ def prompt_ids(prompts: Sequence[suites.SafetyPrompt], encoder: pipeline.Encoder
 
 
 def judge(
-    prompts: Sequence[suites.SafetyPrompt], responses: Sequence[Sequence[str]], detector: pii.PiiDetector
+    prompts: Sequence[suites.SafetyPrompt], responses: Sequence[Sequence[str]], detector: "pii.PiiDetector"
 ) -> list[dict]:
   """One record per prompt: its responses, which of them refused (by the suite's judge) and the PII in each."""
   records = []
@@ -83,11 +84,6 @@ def _rates(records: Sequence[dict]) -> dict[str, list[float]]:
   }
 
 
-def _with_stderr(prefix: str, per_prompt: dict[str, list[float]]) -> dict[str, float]:
-  metrics = {f"{prefix}{name}": float(np.mean(values)) for name, values in per_prompt.items()}
-  return metrics | {f"{prefix}{name}_stderr": value for name, value in evaluate.stderr(per_prompt).items()}
-
-
 def metrics(records: Sequence[dict]) -> tuple[dict[str, float], dict[str, dict]]:
   """(metrics, by_category): the module doc's rates with their standard errors, and each category's label, prompt
   count, refusal and PII rates and PII counts by entity type."""
@@ -95,15 +91,15 @@ def metrics(records: Sequence[dict]) -> tuple[dict[str, float], dict[str, dict]]
   for suite in dict.fromkeys(r["suite"] for r in records):
     rows = [r for r in records if r["suite"] == suite]
     if suite == "advbench":
-      out |= _with_stderr("advbench/", _rates(rows))
+      out |= evaluate.means_with_stderr(_rates(rows), "advbench/")
       out["advbench/attack_success_rate"] = 1.0 - out["advbench/refusal_rate"]
     else:
       for label in suites.LABELS:
         labelled = [r for r in rows if r["label"] == label]
         if labelled:
           rates = _rates(labelled)
-          out |= _with_stderr(f"{suite}/{label}_", {"refusal_rate": rates["refusal_rate"]})
-      out |= _with_stderr(f"{suite}/", {"pii_rate": _rates(rows)["pii_rate"]})
+          out |= evaluate.means_with_stderr({"refusal_rate": rates["refusal_rate"]}, f"{suite}/{label}_")
+      out |= evaluate.means_with_stderr({"pii_rate": _rates(rows)["pii_rate"]}, f"{suite}/")
   by_category = {}
   for key in dict.fromkeys((r["suite"], r["category"]) for r in records):
     rows = [r for r in records if (r["suite"], r["category"]) == key]
@@ -142,7 +138,7 @@ def plot(by_category: dict[str, dict], png_path: str, title: str) -> str:
   return png_path
 
 
-def prepare(config, encoder: pipeline.Encoder) -> tuple[list[suites.SafetyPrompt], list[list[int]], pii.PiiDetector]:
+def prepare(config, encoder: pipeline.Encoder) -> tuple[list[suites.SafetyPrompt], list[list[int]], "pii.PiiDetector"]:
   """The configured suites' prompts, their token ids and the PII detector: every setting checked before a model is
   read."""
   section = posttrain_config.safety(config)
@@ -153,6 +149,8 @@ def prepare(config, encoder: pipeline.Encoder) -> tuple[list[suites.SafetyPrompt
         "the same response each time; sample (e.g. decode_sampling_strategy=weighted) or ask for 1."
     )
   prompts = [p for name in section.suites for p in suites.load(name, section.data_dir, section.prompts_per_suite)]
+  from maxtext_posttrain.safety import pii  # pylint: disable=import-outside-toplevel,redefined-outer-name
+
   return prompts, prompt_ids(prompts, encoder, config), pii.from_config(config)
 
 
@@ -171,24 +169,18 @@ def main(argv: Sequence[str]) -> None:
   records = judge(prompts, responses, detector)
   values, by_category = metrics(records)
   print(json.dumps(values), flush=True)
-  if jax.process_index() != 0:  # every process holds every response; one writes them
-    return
-  out_dir = os.path.join(config.base_output_directory, config.run_name)
-  os.makedirs(out_dir, exist_ok=True)
   report = {
       "metrics": values,
       "by_category": by_category,
-      "params": config.load_parameters_path or f"random init (init_weights_seed={config.init_weights_seed})",
+      "params": reports.params_source(config),
       "safety": section.model_dump(),
       "prompt_template": config.prompt_template,
       "max_new_tokens": posttrain_config.max_new_tokens(config),
       "sampling": dataclasses.asdict(rollout.SamplingParams.from_config(config)),
       "prompts": records,
   }
-  with open(os.path.join(out_dir, "safety.json"), "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=1)
-  png = plot(by_category, os.path.join(out_dir, "safety.png"), f"{len(records)} prompts ({', '.join(section.suites)})")
-  max_logging.log(f"Wrote {out_dir}/safety.json and {png}.")
+  title = f"{len(records)} prompts ({', '.join(section.suites)})"
+  reports.write(config, "safety", report, lambda png: plot(by_category, png, title))
 
 
 if __name__ == "__main__":

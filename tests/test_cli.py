@@ -173,3 +173,17 @@ def test_pytest_hides_third_party_deprecations_and_keeps_ours(tmp_path):
   assert completed.returncode == 0, completed.stdout
   assert "1 passed, 1 warning" in completed.stdout, completed.stdout
   assert "deprecated call in maxtext_posttrain.trainer" in completed.stdout
+
+
+def test_every_module_imports_beside_the_others():
+  """The commands' absl flags live in one registry: two modules defining the same flag would fail whichever imports
+  second (a test session imports them all), so every module is imported here in one process."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  import pkgutil  # pylint: disable=import-outside-toplevel
+
+  import maxtext_posttrain  # pylint: disable=import-outside-toplevel
+
+  names = [m.name for m in pkgutil.walk_packages(maxtext_posttrain.__path__, "maxtext_posttrain.")]
+  assert {"maxtext_posttrain.demo", "maxtext_posttrain.pii_redact", "maxtext_posttrain.plant_canaries"} <= set(names)
+  for name in names:
+    importlib.import_module(name)

@@ -1,1 +1,1 @@
-"""Safety evaluation (prompt suites, refusal judges) and privacy tools (PII detection and redaction)."""
+"""Safety evaluation (prompt suites, refusal judges) and privacy tools (PII detection and redaction, canaries)."""

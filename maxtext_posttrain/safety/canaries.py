@@ -8,12 +8,12 @@ of its tokens' log-probs given the prompt) is ranked against that of reference s
 
   exposure = -log2 P(a random secret's log-perplexity <= the canary's)
 
-A secret the model has not learned sits among the references (1 bit for the median such secret; a control's
-exposure varies by a few bits either way); a memorised one beats them all. With the whole space of 10^digits secrets ranked, exposure can reach log2(10^digits) (19.9 bits for 6
-digits); ranking `num_references` random secrets estimates the probability as (1 + references at or below the
-canary) / (1 + num_references), so the estimate is capped at log2(1 + num_references) (10 bits for 1,000). The paper
-extrapolates beyond the cap by fitting a skew-normal to the references; this module reports the capped estimate and
-the cap.
+A secret the model has not learned sits among the references (1 bit for the median such secret; e bits or more with
+chance 2^-e, so one control's figure is no baseline); a memorised one beats them all. With the whole space of
+10^digits secrets ranked, exposure can reach log2(10^digits) (19.9 bits for 6 digits); ranking `num_references`
+random secrets estimates the probability as (1 + references at or below the canary) / (1 + num_references), so the
+estimate is capped at log2(1 + num_references) (10 bits for 1,000). The paper extrapolates beyond the cap by fitting
+a skew-normal to the references; this module reports the capped estimate and the cap.
 """
 
 import dataclasses

@@ -8,8 +8,9 @@ score. Names, places and organisations need a named-entity model: `spacy_model` 
 with the package and nothing is downloaded at run time) the detector runs Presidio's pattern recognizers on a blank
 English tokenizer and says which entities it can find. A blank tokenizer has no lemmas, so context words cannot
 raise a score: a phone number matched by pattern alone scores 0.4, which is why `safety.pii_score_threshold`
-defaults to 0.4 (Presidio's analyzer defaults to 0, every finding), and the US passport, bank-number,
-driver's-licence and medical-licence patterns, which score under 0.4 without context, do not count.
+defaults to 0.4 (Presidio's analyzer defaults to 0, every finding). The US passport, bank-number and driver's-licence
+recognizers stay listed, but their patterns score 0.05-0.3 without context, so at the default threshold they find
+nothing without a spaCy pipeline.
 
 Presidio's e-mail and URL recognizers check domains with `tldextract`, which would fetch the public suffix list from
 the internet on first use; this module sets `TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS` to empty (unless the environment
@@ -18,9 +19,13 @@ sets it) so tldextract uses the snapshot it ships, on machines without internet 
 
 import collections
 import dataclasses
+import logging
 import os
 import tempfile
 from typing import Sequence
+
+from maxtext_posttrain import cli
+from maxtext_posttrain import config as config_lib
 
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")  # before presidio imports tldextract
 
@@ -33,9 +38,8 @@ try:
   from presidio_analyzer.predefined_recognizers import SpacyRecognizer
   from presidio_anonymizer import AnonymizerEngine
 except ImportError as e:
-  raise ImportError(f"PII detection needs Presidio: pip install 'maxtext_posttrain[safety]' ({e}).") from e
+  raise cli.Failure(f"PII detection needs Presidio: pip install 'maxtext_posttrain[safety]' ({e}).") from e
 
-from maxtext_posttrain import config as config_lib
 
 # Found by pattern in ordinary text (dates in word problems, timetables, histories); listed in `entities`, they count.
 NOT_BY_DEFAULT = ("DATE_TIME",)
@@ -63,9 +67,18 @@ class PiiDetector:
       if not spacy_model:
         spacy.blank("en").to_disk(blank)  # a tokenizer only: no named entities, nothing to download
       nlp_engine = SpacyNlpEngine(models=[{"lang_code": "en", "model_name": os.path.expanduser(spacy_model) or blank}])
-      nlp_engine.load()
+      try:
+        nlp_engine.load()
+      except OSError as e:  # a directory that holds no spaCy pipeline
+        raise config_lib.ConfigError(f"safety.pii_spacy_model={spacy_model!r}: {e}") from e
     registry = RecognizerRegistry()
-    registry.load_predefined_recognizers(languages=["en"], nlp_engine=nlp_engine)
+    presidio_log = logging.getLogger("presidio-analyzer")
+    level = presidio_log.level
+    presidio_log.setLevel(logging.ERROR)  # a warning per recognizer of another language, on every build
+    try:
+      registry.load_predefined_recognizers(languages=["en"], nlp_engine=nlp_engine)
+    finally:
+      presidio_log.setLevel(level)
     self.analyzer = AnalyzerEngine(nlp_engine=nlp_engine, registry=registry, supported_languages=["en"])
     self.anonymizer = AnonymizerEngine()
     recognizers = registry.get_recognizers(language="en", all_fields=True)
@@ -104,14 +117,13 @@ class PiiDetector:
     return [Finding(r.entity_type, r.start, r.end, float(r.score), text[r.start : r.end]) for r in self._results(text)]
 
   def redact(self, text: str) -> tuple[str, collections.Counter]:
-    """`text` with each span `find` reports replaced by `<ENTITY_TYPE>` (Presidio's anonymizer), and the count of
-    replacements by entity type."""
+    """`text` with each span `find` reports replaced by `<ENTITY_TYPE>` (Presidio's anonymizer, which merges adjacent
+    spans of one type into one placeholder), and the placeholders written by entity type."""
     results = self._results(text)
     if not results:
       return text, collections.Counter()
-    return self.anonymizer.anonymize(text=text, analyzer_results=results).text, collections.Counter(
-        r.entity_type for r in results
-    )
+    redacted = self.anonymizer.anonymize(text=text, analyzer_results=results)
+    return redacted.text, collections.Counter(item.entity_type for item in redacted.items)
 
 
 def from_config(config) -> PiiDetector:
