@@ -56,7 +56,7 @@ _FILE_SECONDS = {
     "test_cli.py": 55,
     "test_peft_precision.py": 55,
     "test_demo_distill.py": 40,
-    "test_safety.py": 100,
+    "test_safety.py": 60,
     "test_reliability.py": 35,
 }
 

@@ -3,9 +3,7 @@ fine-tune whose refusals the evaluation sees."""
 
 import collections
 import json
-import os
-import subprocess
-import sys
+import socket
 
 import numpy as np
 import pytest
@@ -25,7 +23,6 @@ from maxtext_posttrain.safety import canaries
 from maxtext_posttrain.safety import pii
 from maxtext_posttrain.safety import refusal
 from maxtext_posttrain.safety import suites
-from tests import paths
 from tests import run_utils
 
 REFUSAL = "I'm sorry, but I cannot help with that."
@@ -91,25 +88,16 @@ def test_the_pii_detector_finds_pattern_entities_and_redacts_them(detector):
   assert "DATE_TIME" not in detector.entities and "PERSON" not in detector.entities  # no named-entity model
 
 
-def test_pii_detection_reaches_no_network(tmp_path):
-  """Presidio's e-mail check asks tldextract for the public suffix list, which it would fetch on first use: in a fresh
-  process with every name lookup and socket connection recorded, finding an e-mail address looks up nothing."""
-  script = (
-      "import socket\n"
-      "calls = []\n"
-      "socket.getaddrinfo = lambda *args, **kwargs: calls.append(args) or []\n"
-      "socket.socket.connect = lambda self, address: calls.append(address)\n"
-      "from maxtext_posttrain.safety import pii\n"
-      "found = pii.PiiDetector((), 0.4, '').find('write to jane.roe@example.com')\n"
-      "assert [f.entity for f in found] == ['EMAIL_ADDRESS'], found\n"
-      "assert not calls, calls\n"
-  )
-  env = dict(os.environ, PYTHONPATH=str(paths.REPO), HOME=str(tmp_path), TLDEXTRACT_CACHE=str(tmp_path / "cache"))
-  env.pop("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", None)
-  result = subprocess.run(
-      [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
+def test_pii_detection_reaches_no_network(detector, monkeypatch):
+  """Presidio's e-mail check asks tldextract's module-level extractor for the public suffix list, which it would fetch
+  on first use: importing `pii` leaves that extractor no URL to fetch (the bundled snapshot), and finding an e-mail
+  address looks up no host."""
+  import tldextract.tldextract  # pylint: disable=import-outside-toplevel
+
+  assert tldextract.tldextract.TLD_EXTRACTOR.suffix_list_urls == ()
+  lookups = []
+  monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: lookups.append(args) or [])
+  assert [f.entity for f in detector.find("write to jane.roe@example.com")] == ["EMAIL_ADDRESS"] and not lookups
 
 
 def test_pii_settings_that_cannot_work_are_refused():
