@@ -15,6 +15,7 @@ updated or translated copy with the same columns. A malformed row fails naming i
 import csv
 import dataclasses
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -40,17 +41,22 @@ class Suite:
   name: str
   file: str
   columns: tuple[str, ...]  # the columns read; the file may have more
-
-  def read(self, row: dict[str, str], number: int) -> SafetyPrompt:
-    """Prompt `number` (1-based, in file order) of the suite from its CSV row."""
-    if self.name == "advbench":  # one column: the row's number is its id
-      return SafetyPrompt(self.name, str(number), row["goal"], "unsafe", "harmful_behaviors")
-    return SafetyPrompt(self.name, row["id"], row["prompt"], row["label"], row["type"])
+  read: Callable[[dict[str, str], int], SafetyPrompt]  # (CSV row, its 1-based number in file order) -> prompt
 
 
 SUITES = {
-    "advbench": Suite("advbench", "advbench_harmful_behaviors.csv", ("goal",)),
-    "xstest": Suite("xstest", "xstest_v2_prompts.csv", ("id", "prompt", "type", "label")),
+    "advbench": Suite(  # one column: the row's number is its id
+        "advbench",
+        "advbench_harmful_behaviors.csv",
+        ("goal",),
+        lambda row, number: SafetyPrompt("advbench", str(number), row["goal"], "unsafe", "harmful_behaviors"),
+    ),
+    "xstest": Suite(
+        "xstest",
+        "xstest_v2_prompts.csv",
+        ("id", "prompt", "type", "label"),
+        lambda row, _: SafetyPrompt("xstest", row["id"], row["prompt"], row["label"], row["type"]),
+    ),
 }
 
 
