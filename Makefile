@@ -63,11 +63,14 @@ $(VENV)/.installed: $(VPY) setup.py pyproject.toml requirements/cpu.txt
 env: $(VENV)/.installed
 
 # Two pytest-xdist workers, whole files each (module fixtures stay shared): most tests are compile- and
-# dispatch-bound, so two processes use a 2-core machine better than one (suite 12 min instead of 17 here).
-# TEST_WORKERS=0 runs the suite in this process.
+# dispatch-bound, so two processes use a 2-core machine better than one. TEST_WORKERS=0 runs the suite in this
+# process. With workers, each worker's XLA:CPU runs a matmul on one thread (TEST_XLA_FLAGS; the tests' subprocesses
+# keep the flag): Eigen's intra-op pool would start a thread per core in every worker, and two workers' pools contend
+# for the cores (the trainer, GRPO and PPO test files took 262 s so instead of 316 s on 2 workers here).
 TEST_WORKERS ?= 2
+TEST_XLA_FLAGS ?= $(if $(filter 0 1,$(TEST_WORKERS)),,--xla_cpu_multi_thread_eigen=false)
 test: $(VENV)/.installed
-	env -u XLA_FLAGS JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
+	env XLA_FLAGS="$(TEST_XLA_FLAGS)" JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(VPY) -m maxtext_posttrain.demo

@@ -1,6 +1,7 @@
 """Running the loop in tests and reading back what it logged."""
 
 import json
+import os
 
 from maxtext_posttrain import trainer
 
@@ -12,6 +13,15 @@ DEEP_SFT_LAYERS = 4
 # slice; a few dozen steps use fewer), tests whose claim is learning read the whole split (WHOLE_TRAIN_SPLIT).
 SHORT_TRAIN_SPLIT = "train_split=train[:2000]"
 WHOLE_TRAIN_SPLIT = "train_split=train"
+
+
+def xla_flags(devices: int | None = None) -> str:
+  """XLA_FLAGS for a test's subprocess: this process's flags (the Makefile's single-threaded matmuls for two workers
+  on two cores) without their device count, and `devices` CPU devices when given."""
+  kept = [
+      f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+  ]
+  return " ".join(kept + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
 def run(config):

@@ -21,6 +21,7 @@ from benchmarks import sft_vs_pretrain
 from maxtext.utils import maxtext_utils
 from maxtext_posttrain import config as posttrain_config
 from tests import paths
+from tests import run_utils
 
 
 def test_sft_vs_pretrain_writes_a_row(tmp_path, tfds_dir, capsys):
@@ -74,7 +75,7 @@ def test_rollouts_ahead_times_both_ways_on_a_split_of_four_devices(tmp_path, tfd
   refused in one line."""
   output = tmp_path / "ahead.json"
   tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=160"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
+  env = dict(os.environ, XLA_FLAGS=run_utils.xla_flags(4), PYTHONPATH=str(paths.REPO))
   command = [sys.executable, "-m", "benchmarks.rollouts_ahead", "--repeats=1", "--block=3", f"--output={output}"]
   completed = subprocess.run(
       [*command, f"dataset_path={tfds_dir}", *tiny], env=env, capture_output=True, text=True, timeout=600, check=False

@@ -77,8 +77,8 @@ _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
 def _env(**extra) -> dict[str, str]:
   """The subprocesses' environment; Python's fault handler prints every thread's stack when a process dies of a
   signal (an abort in native code), so the log says where."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
-  return env | {"JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1", **extra}
+  env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+  return env | {"JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1", "XLA_FLAGS": run_utils.xla_flags(), **extra}
 
 
 # The keys that make the same mesh (data 2 x fsdp 2) from 2 processes (DCN data axis over the processes: the
@@ -125,7 +125,7 @@ def finish(process: subprocess.Popen, out: pathlib.Path, runs: int = 1) -> None:
 
 def _single(argv: list[str], out: pathlib.Path, runs: int) -> int:
   out.mkdir(parents=True, exist_ok=True)
-  env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={PROCESSES * LOCAL_DEVICES}")
+  env = _env(XLA_FLAGS=run_utils.xla_flags(PROCESSES * LOCAL_DEVICES))
   with open(out / "single.log", "wb") as log:
     return subprocess.run(
         [sys.executable, *argv],

@@ -27,6 +27,7 @@ from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain.rollout import Sampler
 from maxtext_posttrain.rollout import sampler as sampler_module
 from tests import paths
+from tests import run_utils
 
 REPO = str(paths.REPO)
 PREFILL_LENGTH = 64  # sft.yml max_prefill_predict_length
@@ -187,9 +188,7 @@ def test_sharded_mesh_gives_the_same_tokens(reference):
   (fsdp=4) are resharded onto it and give the same tokens.
   """
   python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-  env = dict(
-      os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=python_path
-  )
+  env = dict(os.environ, XLA_FLAGS=run_utils.xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=python_path)
   overrides = ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
   result = subprocess.run(
       [sys.executable, __file__, *overrides], env=env, cwd=REPO, capture_output=True, text=True, check=False

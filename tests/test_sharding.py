@@ -14,6 +14,7 @@ from tests import paths
 from tests import multidevice_distill
 from tests import multidevice_losses
 from tests import multidevice_rl
+from tests import run_utils
 
 STEPS = 3
 # Same global batch (16) everywhere, and one learning-rate schedule independent of `steps`.
@@ -54,7 +55,7 @@ def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint
   ]
   for job in jobs:
     pathlib.Path(job[3][0]).mkdir()  # each job's output directory
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONPATH=str(paths.REPO))
+  env = dict(os.environ, XLA_FLAGS=run_utils.xla_flags(4), PYTHONPATH=str(paths.REPO))
   return subprocess.run(
       [sys.executable, str(paths.REPO / "tests" / "on_four_devices.py"), json.dumps(jobs)],
       env=env,
