@@ -66,7 +66,7 @@ env: $(VENV)/.installed
 # dispatch-bound, so two processes use a 2-core machine better than one. TEST_WORKERS=0 runs the suite in this
 # process. With workers, each worker's XLA:CPU runs a matmul on one thread (TEST_XLA_FLAGS; the tests' subprocesses
 # keep the flag): Eigen's intra-op pool would start a thread per core in every worker, and two workers' pools contend
-# for the cores (the trainer, GRPO and PPO test files took 262 s so instead of 316 s on 2 workers here).
+# for the cores (the trainer, GRPO and PPO test files took 262 s instead of 316 s on 2 workers here).
 TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= $(if $(filter 0 1,$(TEST_WORKERS)),,--xla_cpu_multi_thread_eigen=false)
 test: $(VENV)/.installed

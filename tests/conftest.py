@@ -53,7 +53,7 @@ _FILE_SECONDS = {
     "test_distill_on_policy.py": 80,
     "test_trainer.py": 75,
     "test_installed.py": 70,
-    "test_cli.py": 55,
+    "test_cli.py": 45,
     "test_peft_precision.py": 55,
     "test_demo_distill.py": 40,
     "test_safety.py": 60,

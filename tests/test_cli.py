@@ -2,9 +2,9 @@
 
 import json
 import os
-import runpy
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -103,40 +103,34 @@ def _last_line(completed) -> str:
   return completed.stderr.strip().splitlines()[-1]
 
 
-class _Ended:
-  """How `python -m maxtext_posttrain.train` run in this process ended: `returncode` as the interpreter would exit
-  (1 for a message) and everything it printed to stderr, its `sys.exit` message last as the interpreter prints it."""
-
-  def __init__(self, code, stderr: str):
-    self.returncode = 1 if isinstance(code, str) else code
-    self.stderr = stderr + (f"{code}\n" if isinstance(code, str) else "")
-
-
-@pytest.fixture
-def train_here(monkeypatch, capfd, tmp_path):
-  """`train_here(*args)`: the command's `__main__` run in this process by runpy, as `python -m` runs it (the module's
-  spec names the command), without a fresh interpreter's seconds of imports; `_Ended` of its SystemExit."""
-
-  def run(*args: str) -> _Ended:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["maxtext_posttrain.train", *args])
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as exited:
-      runpy.run_module("maxtext_posttrain.train", run_name="__main__", alter_sys=True)
-    return _Ended(exited.value.code, capfd.readouterr().err)
-
-  return run
+def _train_in_turn(*command_lines: tuple[str, ...], cwd) -> list[types.SimpleNamespace]:
+  """Each command line's `returncode` and `stderr`, run in turn in one fresh interpreter (tests/commands_in_turn.py)."""
+  completed = subprocess.run(
+      [sys.executable, "-m", "tests.commands_in_turn", json.dumps(command_lines)],
+      cwd=cwd,
+      env=dict(os.environ, PYTHONPATH=str(paths.REPO)),
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  assert completed.returncode == 0, completed.stderr[-4000:]
+  return [types.SimpleNamespace(**ended) for ended in json.loads(completed.stdout.splitlines()[-1])]
 
 
-# runpy warns that the package has imported the module it runs again as __main__; nothing reads the first copy.
-@pytest.mark.filterwarnings("ignore:'maxtext_posttrain.train' found in sys.modules:RuntimeWarning")
-def test_user_errors_end_in_one_line_at_the_command_line(train_here, tmp_path):
+def test_user_errors_end_in_one_line_at_the_command_line(tmp_path):
   """A mistyped key, a bad value, a missing config, keys that cannot go together: exit status 1 and a last line that
   says what is wrong, without MaxText's list of every valid key; an error after the run is built keeps its traceback
-  above that line. (The command's `__main__` in this process; test_unknown_mode_exits_nonzero_from_the_command_line
-  runs it as a fresh interpreter.)"""
+  above that line."""
   common = ("run_name=x", f"base_output_directory={tmp_path}")
-  typo = train_here("sft.yml", *common, "learning_rat=0.1")
+  typo, value, missing, clash, data = _train_in_turn(
+      ("sft.yml", *common, "learning_rat=0.1"),
+      ("sft.yml", *common, "learning_rate=abc"),
+      ("configs/nope.yml", *common),
+      ("grpo.yml", *common, "rl.loss_algo=gspo", "rl.dual_clip=3.0"),  # found by the objective
+      ("sft.yml", *common, "grain_file_type=jsonl", "grain_train_files=/nowhere/*.jsonl"),
+      cwd=tmp_path,
+  )
   assert typo.returncode == 1
   assert _last_line(typo) == (
       "maxtext_posttrain.train: error: ValueError: Unknown config key 'learning_rat' on the command line: did you mean "
@@ -145,14 +139,12 @@ def test_user_errors_end_in_one_line_at_the_command_line(train_here, tmp_path):
   )
   assert "'mlp_dim'" not in typo.stderr and "Traceback" not in typo.stderr
 
-  value = train_here("sft.yml", *common, "learning_rate=abc")
   assert value.returncode == 1
   assert _last_line(value) == (
       "maxtext_posttrain.train: error: ValidationError: learning_rate='abc': Input should be a valid number, unable to "
       "parse string as a number"
   )
 
-  missing = train_here("configs/nope.yml", *common)
   assert missing.returncode == 1
   assert _last_line(missing).startswith(
       "maxtext_posttrain.train: error: FileNotFoundError: Config file 'configs/nope.yml' does not exist"
@@ -163,13 +155,11 @@ def test_user_errors_end_in_one_line_at_the_command_line(train_here, tmp_path):
   assert "distill.yml" in bundled and "sft.yml" in bundled
   assert f"bundled config: {', '.join(bundled)}." in _last_line(missing)
 
-  clash = train_here("grpo.yml", *common, "rl.loss_algo=gspo", "rl.dual_clip=3.0")  # found by the objective
   assert clash.returncode == 1 and "Traceback" not in clash.stderr
   assert _last_line(clash) == (
       "maxtext_posttrain.train: error: ConfigError: rl.dual_clip applies to rl.loss_algo=grpo, not gspo."
   )
 
-  data = train_here("sft.yml", *common, "grain_file_type=jsonl", "grain_train_files=/nowhere/*.jsonl")
   assert data.returncode == 1
   assert "Traceback" in data.stderr
   assert _last_line(data) == "maxtext_posttrain.train: error: ValueError: No JSONL file matches '/nowhere/*.jsonl'."
