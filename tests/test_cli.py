@@ -12,17 +12,21 @@ from maxtext_posttrain import trainer
 from tests import paths
 
 
-def _train(*args, cwd):
-  env = dict(os.environ, PYTHONPATH=str(paths.REPO))
+def _python_module(module: str, *args: str, cwd) -> subprocess.CompletedProcess:
+  """`python -m <module> args` in a fresh interpreter, from `cwd`, with the repository importable."""
   return subprocess.run(
-      [sys.executable, "-m", "maxtext_posttrain.train", *args],
+      [sys.executable, "-m", module, *args],
       cwd=cwd,
-      env=env,
+      env=dict(os.environ, PYTHONPATH=str(paths.REPO)),
       capture_output=True,
       text=True,
       timeout=600,
       check=False,
   )
+
+
+def _train(*args, cwd):
+  return _python_module("maxtext_posttrain.train", *args, cwd=cwd)
 
 
 def test_train_module_on_maxtexts_base_yml(tmp_path, tfds_dir):
@@ -105,15 +109,7 @@ def _last_line(completed) -> str:
 
 def _train_in_turn(*command_lines: tuple[str, ...], cwd) -> list[types.SimpleNamespace]:
   """Each command line's `returncode` and `stderr`, run in turn in one fresh interpreter (tests/commands_in_turn.py)."""
-  completed = subprocess.run(
-      [sys.executable, "-m", "tests.commands_in_turn", json.dumps(command_lines)],
-      cwd=cwd,
-      env=dict(os.environ, PYTHONPATH=str(paths.REPO)),
-      capture_output=True,
-      text=True,
-      timeout=600,
-      check=False,
-  )
+  completed = _python_module("tests.commands_in_turn", json.dumps(command_lines), cwd=cwd)
   assert completed.returncode == 0, completed.stderr[-4000:]
   return [types.SimpleNamespace(**ended) for ended in json.loads(completed.stdout.splitlines()[-1])]
 
