@@ -1,9 +1,9 @@
 """Which examples each process's batches hold: run by tests/test_multiprocess.py, alone or under
 scripts/launch_local.sh.
 
-  python -m tests.multiprocess_data <out_dir> <steps> <name> <config.yml> key=value ... [-- <name> <config.yml> ...]
+  python -m tests.multiprocess_data <out_dir> <steps> <name> <config.yml> key=value ...
 
-For each named config, builds the run's mesh and its objective's training data exactly as `maxtext_posttrain.train`
+For the named config, builds the run's mesh and its objective's training data exactly as `maxtext_posttrain.train`
 does, takes `steps` global batches and writes `<out_dir>/<name>.<process>.json`: the identities of the examples in
 this process's block of rows, per step: the prompt index for RL objectives, a digest of the row's tokens otherwise
 (one example per row: packing=false); and how many records this process read from the split's source (every read
@@ -64,19 +64,19 @@ _OPEN_SOURCE, _OPENED = sources.open_source, []
 
 
 def main(argv: list[str]) -> None:
-  sources.open_source = _open_counting_source  # this probe process only
-  out_dir, steps = argv[1], int(argv[2])
-  groups = " ".join(argv[3:]).split(" -- ")
-  for name, *config_argv in (group.split() for group in groups):
-    config = posttrain_config.initialize(["", *config_argv])
-    mesh = mesh_lib.make_mesh(config)
-    _CountingSource.reads, _OPENED[:] = 0, []
-    data = objectives.get(config.posttrain_mode)(config).make_data(mesh)
-    ids = [example_ids(next(data.train)) for _ in range(steps)]
-    summary = {"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}
-    summary |= {"source_sizes": list(_OPENED), "reads": _CountingSource.reads}
-    with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:
-      json.dump(summary, f)
+  """Writes the probe's summary of one config. It counts the reads of every source opened from then on in this
+  process: a job that trains too runs it last (tests/train_in_turn.py)."""
+  sources.open_source = _open_counting_source
+  out_dir, steps, name, *config_argv = argv[1:]
+  config = posttrain_config.initialize(["", *config_argv])
+  mesh = mesh_lib.make_mesh(config)
+  _CountingSource.reads, _OPENED[:] = 0, []
+  data = objectives.get(config.posttrain_mode)(config).make_data(mesh)
+  ids = [example_ids(next(data.train)) for _ in range(int(steps))]
+  summary = {"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}
+  summary |= {"source_sizes": list(_OPENED), "reads": _CountingSource.reads}
+  with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:
+    json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ OBJECTIVES = {
         "steps=3",
     ),
 }
+# The data probe (tests/multiprocess_data.py) takes the first PROBE_STEPS batches of these objectives' runs.
+PROBE, PROBED, PROBE_STEPS = "probe", ("sft", "dpo", "grpo"), 3
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
 
@@ -202,7 +204,7 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
   root = tmp_path_factory.mktemp("objectives")
   teacher = sft_two_processes / "run" / "checkpoints" / "11" / "items"  # a checkpoint written by 2 processes
   keys = {"distill": (f"teacher_overrides.load_parameters_path={teacher}",)}
-  runs = {layout: {name: root / layout / name for name in OBJECTIVES} for layout in LAYOUT}
+  runs = {layout: {name: root / layout / name for name in (*OBJECTIVES, PROBE)} for layout in LAYOUT}
   runs["two"]["sft"] = sft_two_processes
 
   def in_turn(layout: str, names: list[str]) -> list[str]:
@@ -211,10 +213,17 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       config_file, *objective_keys = OBJECTIVES[name]
       argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
       argv.append(train_in_turn.SEPARATOR)
+    probe = runs[layout][PROBE]
+    probe.mkdir(parents=True)
+    for name in PROBED:  # last: the probe counts the reads of the sources opened after it starts
+      config_file, *objective_keys = OBJECTIVES[name]
+      argv += ["@tests.multiprocess_data", str(probe), str(PROBE_STEPS), name]
+      argv += _config_argv(layout, config_file, probe / name, tfds_dir, *objective_keys)
+      argv.append(train_in_turn.SEPARATOR)
     return argv[:-1]
 
-  two_processes(in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES) - 1)
-  single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES))
+  two_processes(in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES))
+  single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES) + 1)
   return runs
 
 
@@ -242,31 +251,21 @@ def test_two_processes_train_as_one_process_with_as_many_devices(objective, obje
     assert not set(rows[0][rl_base.ROLLOUT_PROMPTS]) & set(rows[1][rl_base.ROLLOUT_PROMPTS])
 
 
-def test_no_example_is_read_by_two_processes(tmp_path, tfds_dir):
+def test_no_example_is_read_by_two_processes(objective_runs):
   """Each process's rows of each step hold examples no other process holds, and together the processes' rows are
-  the examples one process reads for the same steps; each process reads and tokenizes about half of the split."""
-  steps, names = 3, ("sft", "dpo", "grpo")
-  for layout in LAYOUT:
-    out = tmp_path / layout
-    groups = []
-    for name in names:
-      config_file, *keys = OBJECTIVES[name]
-      groups += ["--", name, *_config_argv(layout, config_file, out / name, tfds_dir, *keys)]
-    probe = ["-m", "tests.multiprocess_data", str(out), str(steps), *groups[1:]]
-    if layout == "two":
-      two_processes(probe, out)
-    else:
-      single(probe, out)
-  for name in names:
-    summaries = [json.loads((tmp_path / "two" / f"{name}.{p}.json").read_text()) for p in range(PROCESSES)]
-    one = json.loads((tmp_path / "one" / f"{name}.0.json").read_text())
+  the examples one process reads for the same steps; each process reads and tokenizes about half of the split (the
+  data probe, tests/multiprocess_data.py, run last in each layout's job of `objective_runs`)."""
+  two, one_dir = objective_runs["two"][PROBE], objective_runs["one"][PROBE]
+  for name in PROBED:
+    summaries = [json.loads((two / f"{name}.{p}.json").read_text()) for p in range(PROCESSES)]
+    one = json.loads((one_dir / f"{name}.0.json").read_text())
     # Each process reads (and tokenizes) its half of the split in the setup pass and the examples of its batches
     # (with grain's read-ahead); one process reads them all.
     (size,) = one["source_sizes"]
     assert one["reads"] >= size, name
     assert all(summary["reads"] <= size / PROCESSES + size / 10 for summary in summaries), (name, size, summaries)
     parts, whole = [summary["steps"] for summary in summaries], one["steps"]
-    for step in range(steps):
+    for step in range(PROBE_STEPS):
       rows = [part[step] for part in parts]
       assert all(len(r) == len(whole[step]) // PROCESSES for r in rows), (name, step)
       assert not set(rows[0]) & set(rows[1]), (name, step)
