@@ -12,6 +12,7 @@ is followed by its tokenization), with the split's size.
 
 import hashlib
 import json
+import os
 import sys
 
 import jax
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> None:
   ids = [example_ids(next(data.train)) for _ in range(int(steps))]
   summary = {"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}
   summary |= {"source_sizes": list(_OPENED), "reads": _CountingSource.reads}
+  os.makedirs(out_dir, exist_ok=True)  # a job run again after an XLA:CPU abort starts from an empty directory
   with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:
     json.dump(summary, f)
 

@@ -214,7 +214,6 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
       argv.append(train_in_turn.SEPARATOR)
     probe = runs[layout][PROBE]
-    probe.mkdir(parents=True)
     for name in PROBED:  # last: the probe counts the reads of the sources opened after it starts
       config_file, *objective_keys = OBJECTIVES[name]
       argv += ["@tests.multiprocess_data", str(probe), str(PROBE_STEPS), name]
