@@ -1,5 +1,5 @@
-"""Which examples each process's batches hold: run by tests/test_multiprocess.py, alone or under
-scripts/launch_local.sh.
+"""Which examples each process's batches hold: run by tests/test_multiprocess.py through tests/train_in_turn.py (a
+group `@tests.multiprocess_data ...`), in one process or under scripts/launch_local.sh; alone as
 
   python -m tests.multiprocess_data <out_dir> <steps> <name> <config.yml> key=value ...
 
@@ -65,8 +65,8 @@ _OPEN_SOURCE, _OPENED = sources.open_source, []
 
 
 def main(argv: list[str]) -> None:
-  """Writes the probe's summary of one config. It counts the reads of every source opened from then on in this
-  process: a job that trains too runs it last (tests/train_in_turn.py)."""
+  """Writes the probe's summary of one config. Its counting source stays patched in for the rest of the process, so a
+  job that also trains runs the probe after its training runs (tests/train_in_turn.py)."""
   sources.open_source = _open_counting_source
   out_dir, steps, name, *config_argv = argv[1:]
   config = posttrain_config.initialize(["", *config_argv])

@@ -70,7 +70,8 @@ OBJECTIVES = {
         "steps=3",
     ),
 }
-# The data probe (tests/multiprocess_data.py) takes the first PROBE_STEPS batches of these objectives' runs.
+# The data probe (tests/multiprocess_data.py) builds the training data of these objectives' configs, as their runs do,
+# and reads its first PROBE_STEPS batches.
 PROBE, PROBED, PROBE_STEPS = "probe", ("sft", "dpo", "grpo"), 3
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
@@ -198,9 +199,11 @@ def sft_two_processes(tmp_path_factory, tfds_dir) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, dict[str, pathlib.Path]]:
-  """Each objective's output directory per layout ("two", "one"). Besides SFT's (`sft_two_processes`), the 2-process
-  runs are one job that runs them in turn (tests/train_in_turn.py: `maxtext_posttrain.train.main` on each argv), and
-  the 1-process runs one process: a process's start-up costs more than a run of these few steps."""
+  """Each objective's output directory per layout ("two", "one"), and the data probe's (PROBE). Besides SFT's
+  (`sft_two_processes`), the 2-process runs are one job that runs them in turn, then the probe (tests/train_in_turn.py:
+  `maxtext_posttrain.train.main` on each argv), and the 1-process runs one process: a process's start-up costs more
+  than a run of these few steps. The tests of the runs and the probe's share this fixture, so a failure of one job
+  errors them all."""
   root = tmp_path_factory.mktemp("objectives")
   teacher = sft_two_processes / "run" / "checkpoints" / "11" / "items"  # a checkpoint written by 2 processes
   keys = {"distill": (f"teacher_overrides.load_parameters_path={teacher}",)}
@@ -214,15 +217,18 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
       argv.append(train_in_turn.SEPARATOR)
     probe = runs[layout][PROBE]
-    for name in PROBED:  # last: the probe counts the reads of the sources opened after it starts
+    for name in PROBED:  # after the runs: the probe leaves the data sources it counts patched in (multiprocess_data)
       config_file, *objective_keys = OBJECTIVES[name]
       argv += ["@tests.multiprocess_data", str(probe), str(PROBE_STEPS), name]
       argv += _config_argv(layout, config_file, probe / name, tfds_dir, *objective_keys)
       argv.append(train_in_turn.SEPARATOR)
     return argv[:-1]
 
-  two_processes(in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES))
-  single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES) + 1)
+  probe_runs = 1  # the probe's calls take about a training run's time
+  two_processes(
+      in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES) - 1 + probe_runs
+  )
+  single(in_turn("one", list(OBJECTIVES)), root / "one", len(OBJECTIVES) + probe_runs)
   return runs
 
 
