@@ -550,10 +550,10 @@ def check_keys(config_file: str, overrides: list[str]) -> None:
   """Raises MaxText's ValueError for an unknown key, but saying first which key, where it is set (the yml and line,
   or the command line) and the closest valid names, instead of MaxText's list of all ~1,000 valid keys."""
   sources, path = [], config_file
-  maxtext_configs = os.path.abspath(pyconfig.MAXTEXT_CONFIGS_DIR)
+  maxtext_configs = os.path.realpath(pyconfig.MAXTEXT_CONFIGS_DIR) + os.sep
   # The yml and its base_config chain up to the first of MaxText's own configs, whose keys are MaxText's (its base.yml
-  # alone is ~1,000 keys: reading it here cost a sixth of `initialize`).
-  while path is not None and not os.path.abspath(path).startswith(maxtext_configs + os.sep):
+  # alone is ~1,000 keys: reading it here cost a sixth of `initialize`); real paths, so a symlinked spelling is one too.
+  while path is not None and not os.path.realpath(path).startswith(maxtext_configs):
     keys = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path))
     base = keys.pop("base_config", None)
     sources.append((path, keys))

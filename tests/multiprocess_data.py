@@ -65,15 +65,18 @@ _OPEN_SOURCE, _OPENED = sources.open_source, []
 
 
 def main(argv: list[str]) -> None:
-  """Writes the probe's summary of one config. Its counting source stays patched in for the rest of the process, so a
-  job that also trains runs the probe after its training runs (tests/train_in_turn.py)."""
-  sources.open_source = _open_counting_source
+  """Writes the probe's summary of one config. The counting source is patched in for the probe's own reads only, so
+  the runs a job makes before or after it (tests/train_in_turn.py) read the plain sources."""
   out_dir, steps, name, *config_argv = argv[1:]
   config = posttrain_config.initialize(["", *config_argv])
   mesh = mesh_lib.make_mesh(config)
   _CountingSource.reads, _OPENED[:] = 0, []
-  data = objectives.get(config.posttrain_mode)(config).make_data(mesh)
-  ids = [example_ids(next(data.train)) for _ in range(int(steps))]
+  sources.open_source = _open_counting_source
+  try:
+    data = objectives.get(config.posttrain_mode)(config).make_data(mesh)
+    ids = [example_ids(next(data.train)) for _ in range(int(steps))]
+  finally:
+    sources.open_source = _OPEN_SOURCE
   summary = {"process": jax.process_index(), "processes": jax.process_count(), "steps": ids}
   summary |= {"source_sizes": list(_OPENED), "reads": _CountingSource.reads}
   os.makedirs(out_dir, exist_ok=True)  # a job run again after an XLA:CPU abort starts from an empty directory

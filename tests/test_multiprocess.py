@@ -217,7 +217,7 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       argv += _config_argv(layout, config_file, runs[layout][name], tfds_dir, *objective_keys, *keys.get(name, ()))
       argv.append(train_in_turn.SEPARATOR)
     probe = runs[layout][PROBE]
-    for name in PROBED:  # after the runs: the probe leaves the data sources it counts patched in (multiprocess_data)
+    for name in PROBED:
       config_file, *objective_keys = OBJECTIVES[name]
       argv += ["@tests.multiprocess_data", str(probe), str(PROBE_STEPS), name]
       argv += _config_argv(layout, config_file, probe / name, tfds_dir, *objective_keys)
