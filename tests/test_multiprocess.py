@@ -28,14 +28,14 @@ LAUNCH = ROOT / "scripts" / "launch_local.sh"
 PROCESSES, LOCAL_DEVICES = 2, 2
 TIMEOUT = 300  # seconds per run of a job; a hang fails the test instead of the suite
 
-# DPO's, GRPO's and PPO's jobs run MaxText's layers unscanned. With scanned layers, XLA:CPU now and then deadlocks a
-# 1-process run with 4 devices: the layers' loop holds collectives (fsdp all-gathers) and the program has others
-# outside it, and the device threads enter them in different orders (one waits in an all-gather over devices 0-1,
-# another in an all-reduce over 0-3; XLA aborts after 40 s: "Termination timeout for `all gather RendezvousKey...`.
-# Exiting to ensure a consistent program state"). Measured with DPO's reference run, two at a time: 5 aborts in 17
-# runs scanned, none in 12 unscanned. A TPU runs a program's collectives in program order. SFT and distillation run
-# scanned (MaxText's default), so the multi-process jobs cover both layouts; the distillation teacher is SFT's
-# checkpoint.
+# Every run here has MaxText's layers unscanned (the distillation teacher too, as it reads SFT's checkpoint). With
+# scanned layers, XLA:CPU now and then deadlocks a 1-process run with 4 devices: the layers' loop holds collectives
+# (fsdp all-gathers) and the program has others outside it, and the device threads enter them in different orders (one
+# waits in an all-gather over devices 0-1, another in an all-reduce over 0-3; XLA aborts after 40 s: "Termination
+# timeout for `all gather RendezvousKey...`. Exiting to ensure a consistent program state"). Measured with DPO's
+# reference run, two at a time: 5 aborts in 17 runs scanned, none in 12 unscanned; a 1-process job with SFT and
+# distillation scanned aborted twice in a row in one suite run. A TPU runs a program's collectives in program order.
+# Most other test files run the scanned layout, MaxText's default.
 UNSCANNED = "scan_layers=false"
 
 # Per objective: the bundled config and the keys that make it a few-second run on random weights. RL rewards use a
@@ -56,17 +56,18 @@ DYNAMIC_SAMPLING = (
 SFT_RUN = ("steps=12", "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
 OBJECTIVES = {
     "sft": ("sft.yml", "per_device_batch_size=2", "packing=false", *SFT_RUN),
-    "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3", UNSCANNED),
-    "grpo": ("grpo.yml", *RL_KEYS, *DYNAMIC_SAMPLING, "rl.grpo_beta=0.04", "steps=3", UNSCANNED),
+    "dpo": ("dpo.yml", "per_device_batch_size=1", "steps=3"),
+    "grpo": ("grpo.yml", *RL_KEYS, *DYNAMIC_SAMPLING, "rl.grpo_beta=0.04", "steps=3"),
     # GRPO's run has the reference. Two minibatches per rollout batch: the checkpoint after step 0 falls part-way
     # through one, so each process saves its own rows of it.
-    "ppo": ("ppo.yml", *RL_KEYS, *CHARACTERS, "rl.grpo_beta=0.0", "ppo.num_minibatches=2", "steps=3", UNSCANNED),
+    "ppo": ("ppo.yml", *RL_KEYS, *CHARACTERS, "rl.grpo_beta=0.0", "ppo.num_minibatches=2", "steps=3"),
     # The teacher is SFT's 2-process checkpoint (a 2-layer model), read by 2 processes and by 1.
     "distill": (
         "distill.yml",
         "per_device_batch_size=2",
         "packing=false",
         "teacher_overrides.base_num_decoder_layers=2",
+        f"teacher_overrides.{UNSCANNED}",
         "steps=3",
     ),
 }
@@ -98,6 +99,7 @@ def _config_argv(layout: str, config_file: str, out: pathlib.Path, tfds_dir, *ke
       "eval_interval=-1",
       "log_period=1",
       f"metrics_file={out / 'metrics.jsonl'}",
+      UNSCANNED,
       *keys,
       *LAYOUT[layout],
   ]
