@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 from absl import flags
-from jax.experimental import multihost_utils
 
 from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
@@ -57,29 +56,23 @@ def canary_rows(encoder: pipeline.Encoder, prompt: str, completions: list[str], 
   return [preference.side_arrays(prompt_ids, c, length, 0) for c in completion_ids]
 
 
-def log_perplexities(scorer: roles.FrozenModel, rows: list[dict], mesh) -> np.ndarray:
+def log_perplexities(scorer: roles.FrozenModel, rows: list[dict]) -> np.ndarray:
   """[N] float64: -sum of the weighted tokens' log-probs of each row under the scorer's model, scored
-  `global_batch_size_to_train_on` rows a call on the input data sharding (the last call padded), gathered on every
-  process."""
-  config = scorer.config
-  per_call = config.global_batch_size_to_train_on
-  out = []
-  for start in range(0, len(rows), per_call):
-    chunk = rows[start : start + per_call]
-    chunk += [chunk[-1]] * (per_call - len(chunk))
-    batch = pipeline.global_batch({key: np.stack([r[key] for r in chunk]) for key in chunk[0]}, config, mesh)
-    out.append(np.asarray(multihost_utils.process_allgather(scorer.run(_completion_logps, batch), tiled=True)))
-  scores = -np.concatenate(out).astype(np.float64)[: len(rows)]
+  `global_batch_size_to_train_on` rows a call, gathered on every process."""
+  rows_at = lambda indices: {key: np.stack([rows[i][key] for i in indices]) for key in rows[0]}
+  per_call = scorer.config.global_batch_size_to_train_on
+  out = [logps for _, logps in scorer.run_over_rows(_completion_logps, len(rows), rows_at, per_call)]
+  scores = -np.concatenate(out).astype(np.float64)
   if not np.all(np.isfinite(scores)):
     bad = int(np.sum(~np.isfinite(scores)))
     raise cli.Failure(f"Non-finite log-perplexities ({bad} of {len(scores)}): the model's weights are not finite.")
   return scores
 
 
-def measure(scorer: roles.FrozenModel, rows: list[dict], mesh, canary_set, num_references: int) -> dict:
+def measure(scorer: roles.FrozenModel, rows: list[dict], canary_set, num_references: int) -> dict:
   """The report: each canary's log-perplexity and exposure against the references (`rows`: `canary_rows` of the
   canaries' completions, then the references')."""
-  scores = log_perplexities(scorer, rows, mesh)
+  scores = log_perplexities(scorer, rows)
   canary_scores, reference_scores = scores[: len(canary_set.secrets)], scores[len(canary_set.secrets) :]
   per_canary = [
       {
@@ -126,9 +119,10 @@ def exposure_report(argv: list[str], canaries_path: str, num_references: int) ->
   references = canaries_lib.reference_secrets(canary_set, num_references, canary_set.seed)
   completions = [canary_set.completion(s) for s in canary_set.secrets + tuple(references)]
   rows = canary_rows(pipeline.Encoder.from_config(config), canary_set.prompt, completions, config.max_target_length)
-  mesh = mesh_lib.make_mesh(config)
-  scorer = roles.build_frozen(roles.RoleSpec("canary_scorer", trained=False), config, mesh, copy=True)
-  report = measure(scorer, rows, mesh, canary_set, num_references)
+  scorer = roles.build_frozen(
+      roles.RoleSpec("canary_scorer", trained=False), config, mesh_lib.make_mesh(config), copy=True
+  )
+  report = measure(scorer, rows, canary_set, num_references)
   report["params"] = reports.params_source(config)
   reports.write(config, "canary_exposure", report, lambda png: plot(report, png))
   return report

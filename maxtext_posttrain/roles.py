@@ -20,10 +20,12 @@ train and eval steps, its weights passed in as an argument that is not donated.
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext.configs import types
@@ -34,6 +36,7 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import layer_transfer
+from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.peft import lora
 
 POLICY = "policy"
@@ -228,6 +231,20 @@ class FrozenModel:
     """`fn(model, *args)` under jit, MaxText's mesh and logical axis rules; compiled once per `fn`."""
     with self.scope():
       return self.jitted(fn)(self.state, *args)
+
+  def run_over_rows(
+      self, fn: Callable, count: int, rows_at: Callable[[list[int]], dict[str, np.ndarray]], batch_size: int, *args
+  ) -> Iterator[tuple[int, Any]]:
+    """`fn(model, batch, *args)` over rows 0..`count`, `batch_size` rows a call (the last call repeats the last row to
+    fill it). Each process builds only its block of each call's rows (`rows_at(indices)`: {key: [len(indices), ...]
+    array}) and every process gets every output: yields (the call's first row, `fn`'s outputs for the call's rows
+    as numpy arrays gathered from all processes, without the repeats)."""
+    block = pipeline.process_rows(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
+    for start in range(0, count, batch_size):
+      indices = [min(i, count - 1) for i in range(start, start + batch_size)]
+      batch = pipeline.process_local_batch(rows_at(indices[block]), self.config, self.mesh)
+      outputs = multihost_utils.process_allgather(self.run(fn, batch, *args), tiled=True)
+      yield start, jax.tree.map(lambda x: np.asarray(x)[: min(batch_size, count - start)], outputs)
 
   def follow(self, policy_model: nnx.Module) -> "FrozenModel":
     """Takes the LoRA `policy_model`'s current frozen base with the adapters it started from: the starting policy.

@@ -14,7 +14,6 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from maxtext.utils import max_logging
 from maxtext_posttrain import cli
@@ -38,26 +37,24 @@ def _rows(arrays, length: int, pad_id: int) -> dict[str, np.ndarray]:
   return {"inputs": inputs, "positions": positions, "segmentation": segmentation}
 
 
-def score_split(teacher: roles.FrozenModel, examples: pipeline.TokenizedExamples, config, mesh, writer, pad_id, label):
+def score_split(teacher: roles.FrozenModel, examples: pipeline.TokenizedExamples, config, writer, pad_id, label):
   """Writes `examples`' records through `writer`, in order, scoring `global_batch_size_to_train_on` rows a call."""
   k, temperature = posttrain_config.distill(config).top_k, np.float32(config.distill_temperature)
 
-  def top_k(model, inputs, positions, segmentation, temperature):
-    return distillation.teacher_top_k(forward.logits(model, inputs, positions, segmentation), k, temperature)
+  def top_k(model, batch, temperature):
+    logits = forward.logits(model, batch["inputs"], batch["positions"], batch["segmentation"])
+    return distillation.teacher_top_k(logits, k, temperature)
 
   rows_per_call, length = config.global_batch_size_to_train_on, config.max_target_length
+  rows_at = lambda indices: _rows([examples[i]["inputs"] for i in indices], length, pad_id)
   calls = -(-len(examples) // rows_per_call)
   report = progress.Progress(calls, 0, rows_per_call * length, label=label)
-  for call in range(calls):
-    chunk = [examples[i] for i in range(call * rows_per_call, min(len(examples), (call + 1) * rows_per_call))]
-    tokens = [example["inputs"] for example in chunk]
-    rows = _rows(tokens + [[pad_id]] * (rows_per_call - len(chunk)), length, pad_id)
-    batch = pipeline.global_batch(rows, config, mesh)
-    outputs = teacher.run(top_k, batch["inputs"], batch["positions"], batch["segmentation"], temperature)
-    ids, logprobs, log_rest = (np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in outputs)
+  for call, (start, (ids, logprobs, log_rest)) in enumerate(
+      teacher.run_over_rows(top_k, len(examples), rows_at, rows_per_call, temperature)
+  ):
     if jax.process_index() == 0:
-      for row, example in enumerate(chunk):
-        inputs, targets = example["inputs"], example["targets"]
+      for row in range(len(ids)):
+        inputs, targets = examples[start + row]["inputs"], examples[start + row]["targets"]
         kept = teacher_logits.scored_positions(inputs, targets, pad_id)
         writer.write(len(inputs), kept, ids[row, kept], logprobs[row, kept], log_rest[row, kept])
     if (call + 1) % max(1, calls // 10) == 0 or call + 1 == calls:
@@ -87,7 +84,7 @@ def score(config) -> teacher_logits.Metadata:
       continue
     examples, stats = pipeline.prepare_split(config, train, encoder)
     writer = teacher_logits.Writer(directory, split) if jax.process_index() == 0 else None
-    score_split(teacher, examples, config, mesh, writer, encoder.pad_id, f"score {split}")
+    score_split(teacher, examples, config, writer, encoder.pad_id, f"score {split}")
     if writer is not None:
       splits[split] = {
           "fingerprint": stats.fingerprint,

@@ -301,7 +301,7 @@ def test_exposure_is_the_rank_among_references_in_bits():
 
 
 def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(make_config):
-  """The batched scores (4 rows a call, the last call padded) equal the log-softmax of the completion's tokens, EOS
+  """The batched scores (4 rows a call, the last call filled with repeats) equal the log-softmax of the completion's tokens, EOS
   included, read off one unpadded forward pass per record."""
   config = make_config("per_device_batch_size=4")
   encoder = pipeline.Encoder.from_config(config)
@@ -309,7 +309,7 @@ def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(ma
   scorer = roles.build_frozen(roles.RoleSpec("canary_scorer", trained=False), config, mesh, copy=True)
   completions = [f"The vault code is {canaries.random_secret(np.random.default_rng(i), 6)}." for i in range(10)]
   rows = canary_exposure.canary_rows(encoder, "What is the vault code?", completions, config.max_target_length)
-  batched = canary_exposure.log_perplexities(scorer, rows, mesh)
+  batched = canary_exposure.log_perplexities(scorer, rows)
   prompt = encoder.prompt_ids("What is the vault code?")
   for completion, score in zip(completions, batched):
     ids = prompt + encoder.completion_ids(completion)

@@ -16,13 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from maxtext.utils import max_logging
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import roles
-from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import preference as preference_data
 from maxtext_posttrain.losses import preference as preference_losses
 from maxtext_posttrain.objectives.base import LossOutput, Objective, ObjectiveData, register, rows_spec
@@ -121,18 +119,17 @@ class Preference(Objective):
     process holds them all (over epochs, any process may read any pair)."""
     config = self.config
     reference = roles.build_frozen(roles.reference(), config, mesh, copy=True)
-    batch_size = config.global_batch_size_to_load
-    rows = pipeline.process_rows(pipeline.batch_sharding(config, mesh, 2), (batch_size, config.max_target_length))
     scored = {key: np.zeros((len(examples), config.max_target_length), np.float32) for key in REFERENCE_KEYS}
     max_logging.log(f"Precomputing reference log-probs of {len(examples)} training pairs.")
-    for start in range(0, len(examples), batch_size):
-      indices = [min(i, len(examples) - 1) for i in range(start, start + batch_size)]  # the last batch repeats
-      local = [examples[i] for i in indices[rows]]
-      batch = pipeline.process_local_batch({key: np.stack([row[key] for row in local]) for key in local[0]}, config, mesh)
-      out = multihost_utils.process_allgather(reference.run(reference_logps, batch), tiled=True)
-      count = min(batch_size, len(examples) - start)
+
+    def rows_at(indices):
+      local = [examples[i] for i in indices]
+      return {key: np.stack([row[key] for row in local]) for key in local[0]}
+
+    batches = reference.run_over_rows(reference_logps, len(examples), rows_at, config.global_batch_size_to_load)
+    for start, out in batches:
       for key in REFERENCE_KEYS:
-        scored[key][start : start + count] = np.asarray(out[key])[:count]
+        scored[key][start : start + len(out[key])] = out[key]
     return dataclasses.replace(examples, extra=examples.extra | scored)
 
   def _add_reference(self, loop, batch):
