@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from maxtext_posttrain.objectives import rl_base
+from tests import multiprocess_scoring
 from tests import run_utils
 from tests import train_in_turn
 
@@ -72,7 +73,8 @@ OBJECTIVES = {
     ),
 }
 # The data probe (tests/multiprocess_data.py) builds the training data of these objectives' configs, as their runs do,
-# and reads its first PROBE_STEPS batches.
+# and reads its first PROBE_STEPS batches; the scoring probe (tests/multiprocess_scoring.py) scores rows in calls with
+# SFT's config. Both write to the PROBE directory.
 PROBE, PROBED, PROBE_STEPS = "probe", ("sft", "dpo", "grpo"), 3
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
@@ -201,10 +203,10 @@ def sft_two_processes(tmp_path_factory, tfds_dir) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, dict[str, pathlib.Path]]:
-  """Each objective's output directory per layout ("two", "one"), and the data probe's (PROBE). Besides SFT's
-  (`sft_two_processes`), the 2-process runs are one job that runs them in turn, then the probe (tests/train_in_turn.py:
+  """Each objective's output directory per layout ("two", "one"), and the probes' (PROBE). Besides SFT's
+  (`sft_two_processes`), the 2-process runs are one job that runs them in turn, then the probes (tests/train_in_turn.py:
   `maxtext_posttrain.train.main` on each argv), and the 1-process runs one process: a process's start-up costs more
-  than a run of these few steps. The tests of the runs and the probe's share this fixture, so a failure of one job
+  than a run of these few steps. The tests of the runs and the probes' share this fixture, so a failure of one job
   errors them all."""
   root = tmp_path_factory.mktemp("objectives")
   teacher = sft_two_processes / "run" / "checkpoints" / "11" / "items"  # a checkpoint written by 2 processes
@@ -224,9 +226,15 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       argv += ["@tests.multiprocess_data", str(probe), str(PROBE_STEPS), name]
       argv += _config_argv(layout, config_file, probe / name, tfds_dir, *objective_keys)
       argv.append(train_in_turn.SEPARATOR)
-    return argv[:-1]
+    sft_file, *sft_keys = OBJECTIVES["sft"]
+    argv += [
+        "@tests.multiprocess_scoring",
+        str(probe),
+        *_config_argv(layout, sft_file, probe / "scoring", tfds_dir, *sft_keys),
+    ]
+    return argv
 
-  probe_runs = 1  # the probe's calls take about a training run's time
+  probe_runs = 2  # the probes' calls take about two training runs' time
   two_processes(
       in_turn("two", [name for name in OBJECTIVES if name != "sft"]), root / "two", len(OBJECTIVES) - 1 + probe_runs
   )
@@ -277,6 +285,24 @@ def test_no_example_is_read_by_two_processes(objective_runs):
       assert all(len(r) == len(whole[step]) // PROCESSES for r in rows), (name, step)
       assert not set(rows[0]) & set(rows[1]), (name, step)
       assert sorted(rows[0] + rows[1]) == sorted(whole[step]), (name, step)
+
+
+def test_rows_scored_in_calls_are_built_by_their_process_and_gathered_on_all(objective_runs):
+  """`FrozenModel.run_over_rows` (DPO's precomputed reference, canary exposure, score_teacher) over 10 rows in calls
+  of the global batch: each process builds its block of each call's rows (the last call filled with the last row),
+  and every process gets every row's score, the scores one process computes alone (tests/multiprocess_scoring.py,
+  run last in each layout's job of `objective_runs`)."""
+  two, one_dir = objective_runs["two"][PROBE], objective_runs["one"][PROBE]
+  parts = [json.loads((two / f"scoring.{p}.json").read_text()) for p in range(PROCESSES)]
+  one = json.loads((one_dir / "scoring.0.json").read_text())
+  rows, size = multiprocess_scoring.ROWS, one["batch_size"]
+  calls = [[min(i, rows - 1) for i in range(start, start + size)] for start in range(0, rows, size)]
+  assert one["built"] == calls and len(calls) > 1 and rows % size
+  for call, indices in enumerate(calls):
+    assert [part["built"][call] for part in parts] == [indices[: size // PROCESSES], indices[size // PROCESSES :]]
+  assert len(one["scores"]) == rows and len(set(one["scores"])) == rows
+  for part in parts:
+    np.testing.assert_allclose(part["scores"], one["scores"], rtol=2e-5)
 
 
 def test_a_killed_process_stops_the_job_and_the_relaunch_resumes_exactly(tmp_path, tfds_dir, sft_two_processes):
