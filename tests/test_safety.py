@@ -4,6 +4,7 @@ fine-tune whose refusals the evaluation sees."""
 import collections
 import json
 import socket
+import typing
 
 import numpy as np
 import pytest
@@ -45,6 +46,13 @@ def test_the_bundled_suites_hold_the_published_prompts_and_a_subset_keeps_every_
   subset = suites.load("xstest", limit=36)
   assert len({p.id for p in subset}) == 36 and collections.Counter(p.category for p in subset).most_common(1)[0][1] <= 3
   assert len({p.category for p in subset}) == 18
+
+
+def test_the_config_accepts_the_suites_there_are():
+  """`safety.suites` names the suites `suites.SUITES` holds (the config module cannot import them: they read it)."""
+  (listed,) = typing.get_args(posttrain_config.SafetySection.model_fields["suites"].annotation)
+  assert set(typing.get_args(listed)) == set(suites.SUITES)
+  assert posttrain_config.SafetySection().suites == sorted(suites.SUITES)
 
 
 def test_a_malformed_suite_file_is_refused_naming_its_file_and_line(tmp_path):
