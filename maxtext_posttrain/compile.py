@@ -142,7 +142,7 @@ def hbm_bytes(mesh: jax.sharding.Mesh) -> int | None:
 
 
 def _on(spec: dict[str, jax.ShapeDtypeStruct], data_sharding) -> dict[str, jax.ShapeDtypeStruct]:
-  """`spec` placed as the loop places batches (`pipeline.global_batch`: the input data sharding)."""
+  """`spec` placed as the loop places batches: on the input data sharding, as MaxText's data iterator does."""
   return {key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=data_sharding) for key, s in spec.items()}
 
 

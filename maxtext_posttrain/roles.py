@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from flax.linen import partitioning as nn_partitioning
+from jax.experimental import multihost_utils
 
 from maxtext.configs import types
 from maxtext.utils import max_logging
@@ -235,14 +235,20 @@ class FrozenModel:
   def run_over_rows(
       self, fn: Callable, count: int, rows_at: Callable[[list[int]], dict[str, np.ndarray]], batch_size: int, *args
   ) -> Iterator[tuple[int, Any]]:
-    """`fn(model, batch, *args)` over rows 0..`count`, `batch_size` rows a call (the last call repeats the last row to
-    fill it). Each process builds only its block of each call's rows (`rows_at(indices)`: {key: [len(indices), ...]
-    array}) and every process gets every output: yields (the call's first row, `fn`'s outputs for the call's rows
-    as numpy arrays gathered from all processes, without the repeats)."""
-    block = pipeline.process_rows(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
+    """`fn(model, batch, *args)` over rows 0, ..., `count` - 1, `batch_size` rows a call (the last call repeats the
+    last row to fill it), placed on the role's input data sharding; yields (the call's first row, `fn`'s outputs for
+    the call's rows as numpy arrays gathered on every process, without the repeats). `rows_at(indices)` builds rows,
+    {key: [len(indices), ...] array}: each process builds only its block of each call's rows where the batch axis
+    splits across processes in blocks (`pipeline.process_rows`; MaxText's data layouts), every row otherwise (e.g. a
+    tensor-parallel axis over hosts)."""
+    try:
+      block = pipeline.process_rows(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
+      place = pipeline.process_local_batch
+    except ValueError:
+      block, place = slice(None), pipeline.global_batch
     for start in range(0, count, batch_size):
       indices = [min(i, count - 1) for i in range(start, start + batch_size)]
-      batch = pipeline.process_local_batch(rows_at(indices[block]), self.config, self.mesh)
+      batch = place(rows_at(indices[block]), self.config, self.mesh)
       outputs = multihost_utils.process_allgather(self.run(fn, batch, *args), tiled=True)
       yield start, jax.tree.map(lambda x: np.asarray(x)[: min(batch_size, count - start)], outputs)
 

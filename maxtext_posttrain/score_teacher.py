@@ -13,6 +13,7 @@ the eval split when `eval_interval > 0` (the held-out loss reads it too).
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maxtext.utils import max_logging
@@ -31,7 +32,7 @@ def _rows(examples: list[dict], length: int, pad_id: int) -> dict[str, np.ndarra
   """Unpacked rows of `length`: each example from position 0, segment 1, padding after it; `scored` marks the
   positions whose teacher distribution the files keep (`teacher_logits.scored_positions`)."""
   inputs = np.full((len(examples), length), pad_id, np.int32)
-  segmentation, scored = np.zeros((len(examples), length), np.int32), np.zeros((len(examples), length), np.int32)
+  segmentation, scored = np.zeros((len(examples), length), np.int32), np.zeros((len(examples), length), np.int8)
   for row, example in enumerate(examples):
     tokens = example["inputs"]
     inputs[row, : len(tokens)], segmentation[row, : len(tokens)] = tokens, 1
@@ -43,23 +44,24 @@ def _rows(examples: list[dict], length: int, pad_id: int) -> dict[str, np.ndarra
 def score_split(teacher: roles.FrozenModel, examples: pipeline.TokenizedExamples, config, writer, pad_id, label):
   """Writes `examples`' records through `writer`, in order, scoring `global_batch_size_to_train_on` rows a call.
   Each process tokenizes its block of each call's rows; process 0 writes every record from the gathered outputs
-  (the rows' lengths and scored positions travel with the teacher's)."""
+  (the rows' lengths and scored positions travel with the teacher's). The rows take the teacher's input data
+  sharding (its config: the yml plus teacher_overrides), the layout its programs run under."""
   k, temperature = posttrain_config.distill(config).top_k, np.float32(config.distill_temperature)
 
   def top_k(model, batch, temperature):
     logits = forward.logits(model, batch["inputs"], batch["positions"], batch["segmentation"])
-    return *distillation.teacher_top_k(logits, k, temperature), batch["segmentation"], batch["scored"]
+    return *distillation.teacher_top_k(logits, k, temperature), jnp.sum(batch["segmentation"], axis=-1), batch["scored"]
 
   rows_per_call, length = config.global_batch_size_to_train_on, config.max_target_length
   rows_at = lambda indices: _rows([examples[i] for i in indices], length, pad_id)
   calls = -(-len(examples) // rows_per_call)
   report = progress.Progress(calls, 0, rows_per_call * length, label=label)
   calls_out = teacher.run_over_rows(top_k, len(examples), rows_at, rows_per_call, temperature)
-  for call, (_, (ids, logprobs, log_rest, segmentation, scored)) in enumerate(calls_out):
+  for call, (_, (ids, logprobs, log_rest, lengths, scored)) in enumerate(calls_out):
     if jax.process_index() == 0:
       for row in range(len(ids)):
         kept = np.flatnonzero(scored[row]).astype(np.int32)
-        writer.write(int(segmentation[row].sum()), kept, ids[row, kept], logprobs[row, kept], log_rest[row, kept])
+        writer.write(int(lengths[row]), kept, ids[row, kept], logprobs[row, kept], log_rest[row, kept])
     if (call + 1) % max(1, calls // 10) == 0 or call + 1 == calls:
       report.report(call + 1, None)
 

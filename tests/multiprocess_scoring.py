@@ -3,10 +3,10 @@ precomputed reference, canary exposure and score_teacher do), and what every pro
 tests/test_multiprocess.py through tests/train_in_turn.py (a group `@tests.multiprocess_scoring ...`), in one process
 or under scripts/launch_local.sh; alone as
 
-  python -m tests.multiprocess_scoring <out_dir> <config.yml> key=value ...
+  python -m tests.multiprocess_scoring <out_dir> <name> <config.yml> key=value ...
 
 Scores ROWS seeded rows (their token log-prob sums under the config's seeded model, the last call filled with repeats)
-and writes `<out_dir>/scoring.<process>.json`: the row indices this process built, per call, and the scores it got.
+and writes `<out_dir>/<name>.<process>.json`: the row indices this process built, per call, and the scores it got.
 """
 
 import json
@@ -31,7 +31,7 @@ def row_logps(model, batch):
 
 
 def main(argv: list[str]) -> None:
-  out_dir, *config_argv = argv[1:]
+  out_dir, name, *config_argv = argv[1:]
   config = posttrain_config.initialize(["", *config_argv])
   scorer = roles.build_frozen(roles.reference(), config, mesh_lib.make_mesh(config), copy=True)
   length, built = config.max_target_length, []
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
   calls = scorer.run_over_rows(row_logps, ROWS, rows_at, config.global_batch_size_to_train_on)
   scores = np.concatenate([out for _, out in calls])
   os.makedirs(out_dir, exist_ok=True)  # a job run again after an XLA:CPU abort starts from an empty directory
-  with open(f"{out_dir}/scoring.{jax.process_index()}.json", "w", encoding="utf-8") as f:
+  with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:
     json.dump({"built": built, "scores": scores.tolist(), "batch_size": config.global_batch_size_to_train_on}, f)
 
 

@@ -76,6 +76,16 @@ OBJECTIVES = {
 # and reads its first PROBE_STEPS batches; the scoring probe (tests/multiprocess_scoring.py) scores rows in calls with
 # SFT's config. Both write to the PROBE directory.
 PROBE, PROBED, PROBE_STEPS = "probe", ("sft", "dpo", "grpo"), 3
+# The scoring probe's meshes, keys per layout after LAYOUT's: the job's (the batch axis split across the processes in
+# blocks, each process building its rows), and tensor parallelism across the processes with the batch replicated
+# over them (every process building every row).
+SCORING = {
+    "scoring": {"two": (), "one": ()},
+    "scoring_tensor": {
+        "two": ("dcn_tensor_parallelism=2",),
+        "one": ("ici_data_parallelism=1", "ici_tensor_parallelism=2"),
+    },
+}
 # Metrics that differ between runs by nature (timings) or by layout (per-device rates).
 _VOLATILE = ("perf/", "seconds", "_per_sec", "learning/current_learning_rate")
 
@@ -227,12 +237,11 @@ def objective_runs(tmp_path_factory, tfds_dir, sft_two_processes) -> dict[str, d
       argv += _config_argv(layout, config_file, probe / name, tfds_dir, *objective_keys)
       argv.append(train_in_turn.SEPARATOR)
     sft_file, *sft_keys = OBJECTIVES["sft"]
-    argv += [
-        "@tests.multiprocess_scoring",
-        str(probe),
-        *_config_argv(layout, sft_file, probe / "scoring", tfds_dir, *sft_keys),
-    ]
-    return argv
+    for name, mesh_keys in SCORING.items():
+      argv += ["@tests.multiprocess_scoring", str(probe), name]
+      argv += [*_config_argv(layout, sft_file, probe / name, tfds_dir, *sft_keys), *mesh_keys[layout]]
+      argv.append(train_in_turn.SEPARATOR)
+    return argv[:-1]
 
   probe_runs = 2  # the probes' calls take about two training runs' time
   two_processes(
@@ -287,19 +296,24 @@ def test_no_example_is_read_by_two_processes(objective_runs):
       assert sorted(rows[0] + rows[1]) == sorted(whole[step]), (name, step)
 
 
-def test_rows_scored_in_calls_are_built_by_their_process_and_gathered_on_all(objective_runs):
+@pytest.mark.parametrize("mesh", sorted(SCORING))
+def test_rows_scored_in_calls_are_built_by_their_process_and_gathered_on_all(mesh, objective_runs):
   """`FrozenModel.run_over_rows` (DPO's precomputed reference, canary exposure, score_teacher) over 10 rows in calls
   of the global batch: each process builds its block of each call's rows (the last call filled with the last row),
-  and every process gets every row's score, the scores one process computes alone (tests/multiprocess_scoring.py,
-  run last in each layout's job of `objective_runs`)."""
+  or every row where the batch does not split across the processes, and every process gets every row's score, the
+  scores one process computes alone (tests/multiprocess_scoring.py, run last in each layout's job of
+  `objective_runs`)."""
   two, one_dir = objective_runs["two"][PROBE], objective_runs["one"][PROBE]
-  parts = [json.loads((two / f"scoring.{p}.json").read_text()) for p in range(PROCESSES)]
-  one = json.loads((one_dir / "scoring.0.json").read_text())
+  parts = [json.loads((two / f"{mesh}.{p}.json").read_text()) for p in range(PROCESSES)]
+  one = json.loads((one_dir / f"{mesh}.0.json").read_text())
   rows, size = multiprocess_scoring.ROWS, one["batch_size"]
   calls = [[min(i, rows - 1) for i in range(start, start + size)] for start in range(0, rows, size)]
   assert one["built"] == calls and len(calls) > 1 and rows % size
   for call, indices in enumerate(calls):
-    assert [part["built"][call] for part in parts] == [indices[: size // PROCESSES], indices[size // PROCESSES :]]
+    if mesh == "scoring_tensor":
+      assert [part["built"][call] for part in parts] == [indices] * PROCESSES
+    else:
+      assert [part["built"][call] for part in parts] == [indices[: size // PROCESSES], indices[size // PROCESSES :]]
   assert len(one["scores"]) == rows and len(set(one["scores"])) == rows
   for part in parts:
     np.testing.assert_allclose(part["scores"], one["scores"], rtol=2e-5)

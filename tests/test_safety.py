@@ -309,8 +309,8 @@ def test_exposure_is_the_rank_among_references_in_bits():
 
 
 def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(make_config):
-  """The batched scores (4 rows a call, the last call filled with repeats) equal the log-softmax of the completion's tokens, EOS
-  included, read off one unpadded forward pass per record."""
+  """The batched scores (4 rows a call, the last call filled with repeats) equal the log-softmax of the completion's
+  tokens, EOS included, read off one unpadded forward pass per record."""
   config = make_config("per_device_batch_size=4")
   encoder = pipeline.Encoder.from_config(config)
   mesh = mesh_lib.make_mesh(config)

@@ -5,7 +5,7 @@ scripts/launch_local.sh.
 
 Each run is `maxtext_posttrain.train.main` on its own argv, the function `python -m maxtext_posttrain.train` runs; a
 group that starts with `@<module>` (not `-m`, which absl would read as a flag) is that module's `main` on the rest of
-the group: the data probe, tests/multiprocess_data.py.
+the group: the probes, tests/multiprocess_data.py and tests/multiprocess_scoring.py.
 Starting a process costs 11-37 s on the 2-core test machine, depending on the hour (Python importing MaxText's
 modules, then tearing them down), more than a few-step run itself: each process of a job pays it once for all its
 runs.

@@ -288,8 +288,9 @@ def host_iterator(examples, batch, config, mesh, train: bool, whole_batches: boo
 
 
 def global_batch(rows: dict[str, np.ndarray], config, mesh) -> dict[str, jax.Array]:
-  """Host arrays that every process holds whole (reference scoring batches, evaluation) as global arrays on the
-  input data sharding, each process placing the slices its devices hold."""
+  """Host arrays that every process holds whole as global arrays on the input data sharding, each process placing the
+  slices its devices hold (`roles.FrozenModel.run_over_rows` where the batch axis does not split across processes
+  in blocks)."""
   sharding = maxtext_sharding.get_input_data_sharding(config, mesh)
   return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in rows.items()}
 
