@@ -61,7 +61,9 @@ def log_perplexities(scorer: roles.FrozenModel, rows: list[dict]) -> np.ndarray:
   `global_batch_size_to_train_on` rows a call, gathered on every process."""
   rows_at = lambda indices: {key: np.stack([rows[i][key] for i in indices]) for key in rows[0]}
   per_call = scorer.config.global_batch_size_to_train_on
-  out = [logps for _, logps in scorer.run_over_rows(_completion_logps, len(rows), rows_at, per_call)]
+  out = [
+      logps for _, logps in scorer.run_over_rows(_completion_logps, len(rows), rows_at, per_call, label="canary exposure")
+  ]
   scores = -np.concatenate(out).astype(np.float64)
   if not np.all(np.isfinite(scores)):
     bad = int(np.sum(~np.isfinite(scores)))

@@ -36,6 +36,7 @@ from maxtext_posttrain import checkpoint_guard
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import forward
 from maxtext_posttrain import layer_transfer
+from maxtext_posttrain import progress
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.peft import lora
 
@@ -233,24 +234,36 @@ class FrozenModel:
       return self.jitted(fn)(self.state, *args)
 
   def run_over_rows(
-      self, fn: Callable, count: int, rows_at: Callable[[list[int]], dict[str, np.ndarray]], batch_size: int, *args
+      self,
+      fn: Callable,
+      count: int,
+      rows_at: Callable[[list[int]], dict[str, np.ndarray]],
+      batch_size: int,
+      *args,
+      label: str,
   ) -> Iterator[tuple[int, Any]]:
     """`fn(model, batch, *args)` over rows 0, ..., `count` - 1, `batch_size` rows a call (the last call repeats the
     last row to fill it), placed on the role's input data sharding; yields (the call's first row, `fn`'s outputs for
-    the call's rows as numpy arrays gathered on every process, without the repeats). `rows_at(indices)` builds rows,
-    {key: [len(indices), ...] array}: each process builds only its block of each call's rows where the batch axis
-    splits across processes in blocks (`pipeline.process_rows`; MaxText's data layouts), every row otherwise (e.g. a
-    tensor-parallel axis over hosts)."""
+    the call's rows as numpy arrays gathered on every process, without the repeats), with a progress line under
+    `label` every tenth of the calls. `rows_at(indices)` builds rows, {key: [len(indices), ...] array}: each process
+    builds only its block of each call's rows where the batch axis splits across processes in blocks
+    (`pipeline.process_rows`; MaxText's data layouts), every row otherwise (e.g. a tensor-parallel axis over hosts)."""
     try:
       block = pipeline.process_rows(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
       place = pipeline.process_local_batch
     except ValueError:
       block, place = slice(None), pipeline.global_batch
-    for start in range(0, count, batch_size):
+    calls, meter = -(-count // batch_size), None
+    for call, start in enumerate(range(0, count, batch_size)):
       indices = [min(i, count - 1) for i in range(start, start + batch_size)]
-      batch = place(rows_at(indices[block]), self.config, self.mesh)
-      outputs = multihost_utils.process_allgather(self.run(fn, batch, *args), tiled=True)
+      rows = rows_at(indices[block])
+      if meter is None:  # tokens: the rows' input ids (both sides of a pair)
+        tokens = sum(v.size for k, v in rows.items() if k.endswith("inputs")) * batch_size // len(indices[block])
+        meter = progress.Progress(calls, 0, tokens, label=label, unit="call")
+      outputs = multihost_utils.process_allgather(self.run(fn, place(rows, self.config, self.mesh), *args), tiled=True)
       yield start, jax.tree.map(lambda x: np.asarray(x)[: min(batch_size, count - start)], outputs)
+      if (call + 1) % max(1, calls // 10) == 0 or call + 1 == calls:
+        meter.report(call + 1)
 
   def follow(self, policy_model: nnx.Module) -> "FrozenModel":
     """Takes the LoRA `policy_model`'s current frozen base with the adapters it started from: the starting policy.

@@ -21,7 +21,6 @@ from maxtext_posttrain import cli
 from maxtext_posttrain import config as posttrain_config
 from maxtext_posttrain import forward
 from maxtext_posttrain import mesh as mesh_lib
-from maxtext_posttrain import progress
 from maxtext_posttrain import roles
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import teacher_logits
@@ -54,16 +53,12 @@ def score_split(teacher: roles.FrozenModel, examples: pipeline.TokenizedExamples
 
   rows_per_call, length = config.global_batch_size_to_train_on, config.max_target_length
   rows_at = lambda indices: _rows([examples[i] for i in indices], length, pad_id)
-  calls = -(-len(examples) // rows_per_call)
-  report = progress.Progress(calls, 0, rows_per_call * length, label=label)
-  calls_out = teacher.run_over_rows(top_k, len(examples), rows_at, rows_per_call, temperature)
-  for call, (_, (ids, logprobs, log_rest, lengths, scored)) in enumerate(calls_out):
+  calls = teacher.run_over_rows(top_k, len(examples), rows_at, rows_per_call, temperature, label=label)
+  for _, (ids, logprobs, log_rest, lengths, scored) in calls:
     if jax.process_index() == 0:
       for row in range(len(ids)):
         kept = np.flatnonzero(scored[row]).astype(np.int32)
         writer.write(int(lengths[row]), kept, ids[row, kept], logprobs[row, kept], log_rest[row, kept])
-    if (call + 1) % max(1, calls // 10) == 0 or call + 1 == calls:
-      report.report(call + 1, None)
 
 
 def score(config) -> teacher_logits.Metadata:

@@ -433,7 +433,7 @@ def train(loop: Loop) -> dict[str, Any]:
       if loop.step % config.log_period == 0 or loop.step == config.steps or reached_target:
         scalars = metrics["scalar"]
         loss = float(scalars["learning/loss"]) if primary_trained else None
-        meter.report(loop.step, loss, loop.objective.headline_metrics(scalars))
+        meter.report(loop.step, loss, loop.objective.headline_metrics(scalars), warm_up=not primary_trained)
       if reached_target:
         max_logging.log(
             f"Stopping after {loop.step} steps: eval/loss reached target_eval_loss={config.target_eval_loss}."

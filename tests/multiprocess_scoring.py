@@ -46,7 +46,7 @@ def main(argv: list[str]) -> None:
     positions = np.where(segmentation != 0, np.arange(length, dtype=np.int32), 0)
     return {"inputs": inputs, "positions": positions, "segmentation": segmentation, "targets": targets}
 
-  calls = scorer.run_over_rows(row_logps, ROWS, rows_at, config.global_batch_size_to_train_on)
+  calls = scorer.run_over_rows(row_logps, ROWS, rows_at, config.global_batch_size_to_train_on, label=name)
   scores = np.concatenate([out for _, out in calls])
   os.makedirs(out_dir, exist_ok=True)  # a job run again after an XLA:CPU abort starts from an empty directory
   with open(f"{out_dir}/{name}.{jax.process_index()}.json", "w", encoding="utf-8") as f:

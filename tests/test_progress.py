@@ -18,3 +18,11 @@ def test_the_line_measures_the_rate_after_the_first_report_and_ends_with_done():
 def test_a_run_whose_only_report_is_its_last_says_done_without_a_rate():
   line = progress.Progress(total_steps=6, start_step=0, tokens_per_step=100).report(6, 1.0)
   assert re.fullmatch(r"\[train\] step 6/6 \(100%\) loss 1\.0000 \| elapsed \dm\d\ds \| done", line), line
+
+
+def test_scoring_calls_and_the_critic_warm_up_say_what_they_count():
+  """Work with no loss (scoring calls) shows none; PPO's critic warm-up says so before its figures."""
+  line = progress.Progress(total_steps=4, start_step=0, tokens_per_step=64, label="score train", unit="call").report(4)
+  assert re.fullmatch(r"\[score train\] call 4/4 \(100%\) \| elapsed \dm\d\ds \| done", line), line
+  line = progress.Progress(total_steps=6, start_step=0, tokens_per_step=100).report(2, None, {"critic": 0.5}, True)
+  assert line.startswith("[train] step 2/6 (33%) warm-up critic 0.5000 | rate pending"), line

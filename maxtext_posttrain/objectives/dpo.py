@@ -126,7 +126,9 @@ class Preference(Objective):
       local = [examples[i] for i in indices]
       return {key: np.stack([row[key] for row in local]) for key in local[0]}
 
-    batches = reference.run_over_rows(reference_logps, len(examples), rows_at, config.global_batch_size_to_load)
+    batches = reference.run_over_rows(
+        reference_logps, len(examples), rows_at, config.global_batch_size_to_load, label="reference log-probs"
+    )
     for start, out in batches:
       for key in REFERENCE_KEYS:
         scored[key][start : start + len(out[key])] = out[key]
