@@ -247,18 +247,16 @@ class FrozenModel:
     the call's rows as numpy arrays gathered on every process, without the repeats), with a progress line under
     `label` every tenth of the calls. `rows_at(indices)` builds rows, {key: [len(indices), ...] array}: each process
     builds only its block of each call's rows where the batch axis splits across processes in blocks
-    (`pipeline.process_rows`; MaxText's data layouts), every row otherwise (e.g. a tensor-parallel axis over hosts)."""
-    try:
-      block = pipeline.process_rows(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
-      place = pipeline.process_local_batch
-    except ValueError:
-      block, place = slice(None), pipeline.global_batch
+    (`pipeline.process_block`; MaxText's data layouts), every row otherwise (e.g. a tensor-parallel axis over hosts)."""
+    block = pipeline.process_block(pipeline.batch_sharding(self.config, self.mesh, 1), (batch_size,))
+    place = pipeline.global_batch if block is None else pipeline.process_local_batch
     calls, meter = -(-count // batch_size), None
     for call, start in enumerate(range(0, count, batch_size)):
       indices = [min(i, count - 1) for i in range(start, start + batch_size)]
-      rows = rows_at(indices[block])
-      if meter is None:  # tokens: the rows' input ids (both sides of a pair)
-        tokens = sum(v.size for k, v in rows.items() if k.endswith("inputs")) * batch_size // len(indices[block])
+      mine = indices if block is None else indices[block]
+      rows = rows_at(mine)
+      if meter is None:  # tokens: the rows' input ids (both sides of a pair), over all processes
+        tokens = sum(v.size for k, v in rows.items() if k.endswith("inputs")) * batch_size // len(mine)
         meter = progress.Progress(calls, 0, tokens, label=label, unit="call")
       outputs = multihost_utils.process_allgather(self.run(fn, place(rows, self.config, self.mesh), *args), tiled=True)
       yield start, jax.tree.map(lambda x: np.asarray(x)[: min(batch_size, count - start)], outputs)

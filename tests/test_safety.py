@@ -3,6 +3,7 @@ fine-tune whose refusals the evaluation sees."""
 
 import collections
 import json
+import logging
 import socket
 import typing
 
@@ -308,9 +309,10 @@ def test_exposure_is_the_rank_among_references_in_bits():
     canaries.draw("p", "no secret", 6, [1], 0, seed=0)
 
 
-def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(make_config):
+def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(make_config, caplog):
   """The batched scores (4 rows a call, the last call filled with repeats) equal the log-softmax of the completion's
-  tokens, EOS included, read off one unpadded forward pass per record."""
+  tokens, EOS included, read off one unpadded forward pass per record; the scoring calls report their progress."""
+  caplog.set_level(logging.INFO, logger="absl")
   config = make_config("per_device_batch_size=4")
   encoder = pipeline.Encoder.from_config(config)
   mesh = mesh_lib.make_mesh(config)
@@ -318,6 +320,9 @@ def test_a_canary_is_scored_on_its_completion_tokens_as_training_encodes_them(ma
   completions = [f"The vault code is {canaries.random_secret(np.random.default_rng(i), 6)}." for i in range(10)]
   rows = canary_exposure.canary_rows(encoder, "What is the vault code?", completions, config.max_target_length)
   batched = canary_exposure.log_perplexities(scorer, rows)
+  reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[canary exposure]")]
+  assert [line.split(" (")[0] for line in reports] == [f"[canary exposure] call {n}/3" for n in (1, 2, 3)], reports
+  assert "tokens/s" in reports[1] and reports[2].endswith("| done"), reports
   prompt = encoder.prompt_ids("What is the vault code?")
   for completion, score in zip(completions, batched):
     ids = prompt + encoder.completion_ids(completion)

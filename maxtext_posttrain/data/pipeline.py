@@ -301,15 +301,30 @@ def batch_sharding(config, mesh, ndim: int) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_spec, *([None] * (ndim - 1))))
 
 
-def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
-  """The rows of a batch of `shape` on `sharding` that this process's devices hold: one contiguous block of
-  1/process_count of them, as MaxText's loaders lay batches out (a mesh whose batch axis does not split across
-  processes that way cannot take process-local rows: ValueError)."""
+def _addressable_span(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
+  """The span of rows of a batch of `shape` on `sharding` from the first to the last that this process's devices hold."""
   rows = [index[0] for index in sharding.addressable_devices_indices_map(tuple(shape)).values()]
-  block = slice(min(r.start or 0 for r in rows), max(shape[0] if r.stop is None else r.stop for r in rows))
-  if shape[0] % jax.process_count() or block.stop - block.start != shape[0] // jax.process_count():
+  return slice(min(r.start or 0 for r in rows), max(shape[0] if r.stop is None else r.stop for r in rows))
+
+
+def process_block(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice | None:
+  """The rows of a batch of `shape` on `sharding` that this process's devices hold, when they are one contiguous block
+  of 1/process_count of them, as MaxText's loaders lay batches out; None otherwise (e.g. the batch replicated over a
+  tensor-parallel axis that spans processes)."""
+  span = _addressable_span(sharding, shape)
+  if shape[0] % jax.process_count() or span.stop - span.start != shape[0] // jax.process_count():
+    return None
+  return span
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
+  """`process_block` where process-local rows are needed: a mesh whose batch axis does not split across processes
+  that way cannot take them (ValueError)."""
+  block = process_block(sharding, shape)
+  if block is None:
+    span = _addressable_span(sharding, shape)
     raise ValueError(
-        f"The batch sharding {sharding} gives process {jax.process_index()} rows {block.start}..{block.stop} of "
+        f"The batch sharding {sharding} gives process {jax.process_index()} rows {span.start}..{span.stop} of "
         f"{shape[0]}, not one block of 1/{jax.process_count()} of them; process-local rows need the batch axis "
         "split across processes (dcn_data_parallelism, or ICI axes laid over the processes)."
     )
