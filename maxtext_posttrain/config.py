@@ -134,6 +134,13 @@ class RL(types.RL):
   )
   overlong_penalty: float = Field(1.0, ge=0.0, description="The reward lost by a completion that uses the whole budget.")
   sampling_seed: int = Field(0, description="Seed of the rollout sampler; step t samples with fold_in(seed, t).")
+  tools: list[str] = Field(
+      [],
+      description="Tools the policy may call while it samples (GRPO family, PPO): built-ins (calculator: GSM8K's "
+      "<<expression=value>> annotations) or 'package.module:name'; a call's answer is spliced into the completion and "
+      "masked out of the loss.",
+  )
+  max_tool_calls: int = Field(8, ge=0, description="Calls per completion a tool answers at most (rl.tools).")
   teacher_kl_coef: float = Field(
       0.0,
       ge=0.0,

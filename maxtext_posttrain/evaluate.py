@@ -39,6 +39,7 @@ from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.data import prompts as prompts_lib
 from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import math as math_rewards
+from maxtext_posttrain.rollout import tools as tools_lib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
@@ -124,7 +125,7 @@ def score(texts: Sequence[Sequence[str]], answers: Sequence[str], ks: Sequence[i
 
 
 def sample_texts(
-    sampler: rollout.Sampler,
+    sampler: rollout.Sampler | tools_lib.ToolUse,
     params: nnx.State,
     prompt_ids: Sequence[Sequence[int]],
     config,
@@ -194,9 +195,8 @@ def main(argv: Sequence[str]) -> None:
   model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
   prompt_set = prompts_lib.load(config, train=False, limit=config.eval_generation_examples or None, encoder=encoder)
-  metrics, samples = evaluate(
-      rollout.Sampler(config, mesh), lora.policy_params(model, config), prompt_set, config, encoder
-  )
+  sampler = tools_lib.with_tools(rollout.Sampler(config, mesh), config, encoder)
+  metrics, samples = evaluate(sampler, lora.policy_params(model, config), prompt_set, config, encoder)
   print(json.dumps(metrics), flush=True)
   report = {
       "metrics": metrics,

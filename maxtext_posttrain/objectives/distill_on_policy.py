@@ -57,6 +57,7 @@ def check_config(config) -> None:
       "rl.grpo_beta": rl.grpo_beta > 0,
       "rl.teacher_kl_coef": rl.teacher_kl_coef > 0,
       "rl.off_policy_steps": rl.off_policy_steps > 0,
+      "rl.tools": bool(rl.tools),
   }
   named = [key for key, on in unsupported.items() if on]
   if named:

@@ -47,6 +47,7 @@ class _Group:
   logprobs: list[np.ndarray]
   rewards: np.ndarray  # [G], shaped: the weighted reward sum plus the overlong penalty
   filter_scores: np.ndarray  # [G], rl.dynamic_sampling_metric's score
+  sampled: list[np.ndarray] | None = None  # with rl.tools: per completion, 1 on the tokens the policy sampled
 
   @property
   def informative(self) -> bool:
@@ -153,6 +154,7 @@ class GRPO(RLObjective):
             logprobs=out.logprobs[p * group_size : (p + 1) * group_size],
             rewards=out.rewards[p * group_size : (p + 1) * group_size],
             filter_scores=filter_scores[p * group_size : (p + 1) * group_size],
+            sampled=None if out.sampled is None else out.sampled[p * group_size : (p + 1) * group_size],
         )
         for p in range(len(out.prompts) // group_size)
     ]
@@ -209,12 +211,20 @@ class GRPO(RLObjective):
             rewards, rl.num_generations, estimator=rl.advantage_estimator, scale_by_std=rl.scale_rewards
         )
     )
+    sampled = None
+    if any(g.sampled is not None for g in groups):
+      sampled = [
+          np.ones(len(c), np.int8) if g.sampled is None else g.sampled[j]
+          for g in groups
+          for j, c in enumerate(g.completions)
+      ]
     rows = training_rows(
         [g.prompt for g in groups for _ in g.completions],
         [c for g in groups for c in g.completions],
         [lp for g in groups for lp in g.logprobs],
         config.max_target_length,
         window=self.max_new_tokens,
+        sampled=sampled,
     )
     if masked:
       rows["completion_mask"][-masked * rl.num_generations :] = 0
@@ -266,6 +276,7 @@ def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, 
       "prompt": np.zeros((width, prompt_width + 1), np.int32),  # the prompt's length, then its tokens
       "completions": np.zeros((width, group_size, new_tokens + 1), np.int32),  # likewise
       "logprobs": np.zeros((width, group_size, new_tokens), np.float32),
+      "sampled": np.zeros((width, group_size, new_tokens), np.int8),  # 1 on sampled tokens (all without tools)
       "scores": np.zeros((width, 2, group_size), np.float32),  # rewards, filter scores
   }
   for i, group in enumerate(groups):
@@ -274,6 +285,7 @@ def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, 
     for j, (completion, logprobs) in enumerate(zip(group.completions, group.logprobs, strict=True)):
       out["completions"][i, j, : len(completion) + 1] = [len(completion), *completion]
       out["logprobs"][i, j, : len(completion)] = logprobs[: len(completion)]
+      out["sampled"][i, j, : len(completion)] = 1 if group.sampled is None else group.sampled[j][: len(completion)]
     out["scores"][i] = group.rewards, group.filter_scores
   return out
 
@@ -287,6 +299,7 @@ def _unpack(arrays: dict[str, np.ndarray]) -> _Group:
       prompt=[int(t) for t in prompt[1 : 1 + prompt[0]]],
       completions=[[int(t) for t in row[1 : 1 + n]] for row, n in zip(completions, lengths)],
       logprobs=[row[:n] for row, n in zip(arrays["logprobs"], lengths)],
+      sampled=[row[:n] for row, n in zip(arrays["sampled"], lengths)],
       rewards=arrays["scores"][0],
       filter_scores=arrays["scores"][1],
   )

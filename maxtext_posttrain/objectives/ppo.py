@@ -244,7 +244,12 @@ class PPO(RLObjective):
     timer, metrics = time.perf_counter(), {}
     out = self.step_rollouts(loop, batch, metrics)
     rows = training_rows(
-        out.prompts, out.completions, out.logprobs, self.config.max_target_length, window=self.max_new_tokens
+        out.prompts,
+        out.completions,
+        out.logprobs,
+        self.config.max_target_length,
+        window=self.max_new_tokens,
+        sampled=out.sampled,
     )
     device = pipeline.process_local_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)

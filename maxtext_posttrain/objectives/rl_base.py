@@ -47,6 +47,7 @@ from maxtext_posttrain.losses import distillation
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.base import Objective, ObjectiveData
 from maxtext_posttrain.rewards import shaping
+from maxtext_posttrain.rollout import tools as tools_lib
 
 ROW_KEYS = ("inputs", "targets", "positions", "segmentation", "completion_mask", "old_logps", "advantages")
 ROW_FLOATS = ("old_logps", "advantages")  # float32 columns of the rows; the others are int32
@@ -65,13 +66,15 @@ def training_rows(
     logprobs: list[np.ndarray] | None,
     length: int,
     window: int | None = None,
+    sampled: list[np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
   """[N, length] rows of prompt + completion, next-token shifted, with the sampler's log-probs on the targets.
 
   Row i holds prompt_i + completion_i without its last token as inputs; `completion_mask` is 1 where the target is
-  a completion token, and `old_logps` there is the sampler's log-prob of that token (no `old_logps` without
-  `logprobs`: completions nobody sampled). Padding has segment id 0. With `window` (the losses' `completion_index`
-  width), each completion and the `window` positions from its start must fit in the row.
+  a completion token the policy sampled (`sampled`, when tools inserted some: 0 on a tool's answer), and
+  `old_logps` there is the sampler's log-prob of that token (no `old_logps` without `logprobs`: completions nobody
+  sampled). Padding has segment id 0. With `window` (the losses' `completion_index` width), each completion and the
+  `window` positions from its start must fit in the row.
   """
   rows = {key: np.zeros((len(prompts), length), np.int32) for key in ROW_KEYS[:5]}
   if logprobs is not None:
@@ -90,7 +93,7 @@ def training_rows(
     start = len(prompt) - 1
     if window is not None and (len(completion) > window or start + window > length):
       raise ValueError(f"Row {i}: a {len(completion)}-token completion at {start} leaves a {window}-token window.")
-    rows["completion_mask"][i, start : start + len(completion)] = 1
+    rows["completion_mask"][i, start : start + len(completion)] = 1 if sampled is None else sampled[i][: len(completion)]
     if logprobs is not None:
       rows["old_logps"][i, start : start + len(completion)] = logprobs[i][: len(completion)]
   return rows
@@ -168,8 +171,10 @@ def check_config(config, min_generations: int) -> None:
   if rl.use_agentic_rollout:
     raise config_lib.ConfigError(
         f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
-        "samples them ahead of the step that trains on them)."
+        "samples them ahead of the step that trains on them; rl.tools gives them tools)."
     )
+  for spec in rl.tools:
+    tools_lib.load(spec)
   if rl.dynamic_sampling_metric not in (config_lib.SHAPED_REWARD, config_lib.REWARD_SUM, *rl.rewards):
     raise config_lib.ConfigError(
         f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric!r}: expected {config_lib.SHAPED_REWARD!r}, "
@@ -217,6 +222,7 @@ class Rollouts:
   # [rows] each: every reward's own score by its name in rl.rewards, and their weighted sum before shaping
   # (config.REWARD_SUM), the scores rl.dynamic_sampling_metric may name
   scores: dict[str, np.ndarray]
+  sampled: list[np.ndarray] | None = None  # with rl.tools, per row: 1 on the tokens the policy sampled, 0 on answers
 
 
 @dataclasses.dataclass
@@ -224,7 +230,7 @@ class _Dispatched:
   """Rollouts whose decode program is dispatched: this process's prompt indices and the sampler's pending result."""
 
   indices: list[int]
-  pending: rollout.PendingRollouts
+  pending: rollout.PendingRollouts | tools_lib.PendingToolRollouts
   params_step: int  # the step whose weights sample them
   started: float  # perf_counter at dispatch
 
@@ -266,6 +272,13 @@ class RLObjective(Objective):
     self.steps_per_rollout = rl.num_iterations  # steps trained on one rollout batch
     self.off_policy_steps = rl.off_policy_steps
     self._ahead: dict[int, _Dispatched] = {}  # rollouts dispatched ahead, by the step that trains on them
+    self._sampler = None  # built on first use, from the run's sampler
+
+  def sampler(self, loop) -> rollout.Sampler | tools_lib.ToolUse:
+    """What samples rollouts: the run's sampler, in turns with `rl.tools` (both `start` a batch alike)."""
+    if self._sampler is None:
+      self._sampler = tools_lib.with_tools(loop.sampler(), self.config, self.encoder)
+    return self._sampler
 
   def make_data(self, mesh) -> ObjectiveData:
     config = self.config
@@ -377,7 +390,7 @@ class RLObjective(Objective):
     (its keys: the same whichever step samples them), with the current policy's weights (`process_local`)."""
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.rl.sampling_seed), step), round_index)
     started = time.perf_counter()
-    pending = loop.sampler().start(
+    pending = self.sampler(loop).start(
         loop.policy_params(),
         [list(self.train_prompts.prompt_ids[i]) for i in indices],
         self.max_new_tokens,
@@ -431,8 +444,14 @@ class RLObjective(Objective):
           "rl/completion_length_max": float(np.max(lengths)),
           "rl/truncated_fraction": float(np.mean(truncated)),
       }
+      if out.tool_calls is not None:
+        calls = gathered(out.tool_calls.astype(np.float32))
+        metrics |= {"rl/tool_calls_mean": float(calls.mean()), "rl/tool_calls_max": float(calls.max())}
     scores = per_function | {config_lib.REWARD_SUM: total}
-    return Rollouts(indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores)
+    sampled = None if out.sampled is None else list(out.sampled)
+    return Rollouts(
+        indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores, sampled
+    )
 
   def reward_model_scores(self, loop, prompts: list[list[int]], completions: list[list[int]]) -> np.ndarray:
     """[rows] float32 scores of the frozen reward model at each completion's last token, on rows laid out as in
@@ -494,7 +513,7 @@ class RLObjective(Objective):
     if self.eval_prompts is None:
       return {}
     params = loop.policy_params()
-    metrics, samples = evaluate_lib.evaluate(loop.sampler(), params, self.eval_prompts, self.config, self.encoder)
+    metrics, samples = evaluate_lib.evaluate(self.sampler(loop), params, self.eval_prompts, self.config, self.encoder)
     loop.cache["generations"] = samples
     # The first and the latest evaluations' samples, with per-prompt scores, for paired comparisons (the demo's
     # before/after table); those in between are dropped, so host memory does not grow with every evaluation.

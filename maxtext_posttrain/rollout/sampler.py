@@ -283,6 +283,9 @@ class Rollouts:
     lengths: [rows] completion lengths (stop token included).
     finish_reasons: "eos" (ended on EOS or a stop token) or "length" (ran out of max_new_tokens), per row.
     num_truncated_prompts: prompts longer than max_prefill_predict_length that lost their left end.
+    sampled: with tools (`rollout.tools`), [rows, max_new_tokens] int8: 1 where the policy sampled the token, 0 where
+      a tool's answer was inserted (and after the end); None when the policy sampled every token.
+    tool_calls: with tools, [rows] the calls each row made that a tool answered.
   """
 
   prompts: list[list[int]]
@@ -293,6 +296,8 @@ class Rollouts:
   num_truncated_prompts: int
   num_samples: int
   pad_id: int = _PAD_ID
+  sampled: np.ndarray | None = None
+  tool_calls: np.ndarray | None = None
 
   def completions(self) -> list[list[int]]:
     """The completion tokens per row, without padding."""
@@ -385,6 +390,7 @@ class Sampler:
       truncate_prompts: bool | None = None,
       process_local: bool = False,
       copy_params: bool = False,
+      active: list[bool] | None = None,
   ) -> "PendingRollouts":
     """Dispatches the sampling of `num_samples` completions of each prompt (each prompt prefilled once) and returns
     as soon as the decode program runs on the sampler's devices; `PendingRollouts.result()` waits for the rows.
@@ -408,15 +414,17 @@ class Sampler:
         sample what one process sampling all their prompts in process order would.
       copy_params: read a copy of `params` made before returning, so the caller may update or donate its own (a
         train step) while this program still runs.
+      active: per prompt, whether to sample it (all when None); an inactive prompt's rows are done from the start,
+        and only its first token is prefilled.
     """
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:
       truncate_prompts = self.config.overlong_policy == "truncate"
     prompts, num_truncated = self._truncate(prompts, truncate_prompts)
-    inputs = self._process_local_inputs(prompts) if process_local else self._inputs(prompts)
+    inputs = self._process_local_inputs(prompts, active) if process_local else self._inputs(prompts, active)
     tokens = inputs[0]
     _, decode = self._program(tokens.shape[0], tokens.shape[1], num_samples, max_new_tokens, sampling)
-    params = self._on_mesh(params, copy_params)
+    params = self.on_mesh(params, copy_params)
     stops = np.array(sorted({eos_id, *stop_ids}), np.int32)
     # Uncommitted, so the program places it on this mesh whatever device the caller's key was made on (a key made
     # under the trainer's mesh sits on the trainer's devices; a multi-process mesh takes no device_put of it).
@@ -455,7 +463,7 @@ class Sampler:
           spec((), key_dtype),
       )
 
-  def _on_mesh(self, params: nnx.State, copy: bool = False) -> nnx.State:
+  def on_mesh(self, params: nnx.State, copy: bool = False) -> nnx.State:
     """The params on this sampler's shardings: as they are when already there (unless `copy`), else one
     `jax.device_put`."""
     _check_params_line_up(params, self.abstract_params)
@@ -493,16 +501,18 @@ class Sampler:
     bucket = min(self.prefill_length, max(_MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length()))
     return -(-num_prompts // self.batch_multiple) * self.batch_multiple, bucket
 
-  def _inputs(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _inputs(self, prompts: list[list[int]], active: list[bool] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, lengths, active) of the whole batch: prompts right-padded to their bucket, the batch padded to a
     multiple of its sharding with inactive 1-token rows."""
-    batch, bucket = self._shape(len(prompts), max(len(p) for p in prompts))
-    return _pad(prompts, batch, bucket)
+    batch, bucket = self._shape(len(prompts), _longest(prompts, active))
+    return _pad(prompts, batch, bucket, active)
 
-  def _process_local_inputs(self, prompts: list[list[int]]) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _process_local_inputs(
+      self, prompts: list[list[int]], active: list[bool] | None
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, lengths, active) as global arrays on the batch sharding, this process's prompts in its block of
     rows; the bucket is the longest prompt of any process, so all run the same program."""
-    counts_and_longest = multihost_utils.process_allgather(np.array([len(prompts), max(map(len, prompts))], np.int32))
+    counts_and_longest = multihost_utils.process_allgather(np.array([len(prompts), _longest(prompts, active)], np.int32))
     counts_and_longest = np.asarray(counts_and_longest).reshape(-1, 2)
     if len(set(counts_and_longest[:, 0].tolist())) > 1:
       raise ValueError(f"process_local sampling needs as many prompts on every process, got {counts_and_longest[:, 0]}.")
@@ -510,7 +520,7 @@ class Sampler:
     _, bucket = self._shape(len(prompts), int(counts_and_longest[:, 1].max()))
     multiple = math.lcm(self.batch_multiple, num_processes)
     batch = -(-len(prompts) * num_processes // multiple) * multiple
-    local = _pad(prompts, batch // num_processes, bucket)
+    local = _pad(prompts, batch // num_processes, bucket, active)
     return tuple(
         jax.make_array_from_process_local_data(
             pipeline.batch_sharding(self.config, self.mesh, x.ndim), x, (batch, *x.shape[1:])
@@ -647,15 +657,25 @@ class Sampler:
     )
 
 
-def _pad(prompts: list[list[int]], batch: int, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _longest(prompts: list[list[int]], active: list[bool] | None) -> int:
+  """The longest prompt's length, of the active ones (`_pad` keeps one token of the others)."""
+  return max(len(p) if active is None or active[i] else 1 for i, p in enumerate(prompts))
+
+
+def _pad(
+    prompts: list[list[int]], batch: int, bucket: int, active: list[bool] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(tokens [batch, bucket], lengths [batch], active [batch]): prompts right-padded to the bucket, then inactive
-  1-token rows up to `batch`."""
+  1-token rows up to `batch`; an inactive prompt (`active`) keeps one token."""
   tokens = np.full((batch, bucket), _PAD_ID, dtype=np.int32)
   lengths = np.ones((batch,), dtype=np.int32)
+  flags = np.arange(batch) < len(prompts)
   for i, prompt in enumerate(prompts):
+    if active is not None and not active[i]:
+      prompt, flags[i] = prompt[:1], False
     tokens[i, : len(prompt)] = prompt
     lengths[i] = len(prompt)
-  return tokens, lengths, np.arange(batch) < len(prompts)
+  return tokens, lengths, flags
 
 
 def _repeat_rows(x: jax.Array, shape: tuple[int, ...], num_samples: int) -> jax.Array:

@@ -1,0 +1,139 @@
+"""Tools during sampling: the calculator's answers, sampling in turns, the tool's tokens masked out of training and
+the sampled ones scored in their whole context."""
+
+import jax
+import numpy as np
+import pytest
+import sentencepiece
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+
+from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import trainer
+from maxtext_posttrain.data import pipeline
+from maxtext_posttrain.objectives import rl_base
+from maxtext_posttrain.rollout import SamplingParams
+from maxtext_posttrain.rollout import tools
+from tests import run_utils
+from tests import tools_for_tests
+
+STEP_CALCULATOR = "tests.tools_for_tests:StepCalculator"
+# 4 prompts x 4 samples of the 2-layer SFT model, which writes `a op b = c` then `#### c`.
+RL = ("per_device_batch_size=4", "rl.num_generations=4", "max_target_length=96", "enable_checkpointing=false")
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("Natalia sold 48/2 = <<48/2=", "24>>"),
+        ("she earned 12/60 = $<<12/60=", "0.2>>"),
+        ("<<0.2*50=", "10>>"),
+        ("<<1,000 + 5=", "1005>>"),
+        ("<<(3+4)*2-1=", "13>>"),
+        ("<<10/3=", "3.333333>>"),
+        ("<<-7+2=", "-5>>"),
+        ("48/2 = 24 =", None),  # no call open
+        ("<<48/2=24>> =", None),  # the last call is closed
+        ("<<2**100=", None),  # no powers
+        ("<<__import__('os').system('true')=", None),  # parsed, never evaluated as Python
+        ("<<1/0=", None),
+        ("<<10000000*10000000000=", None),  # past 1e15
+        ("<<abc=", None),
+    ],
+)
+def test_the_calculator_answers_gsm8k_annotations_and_nothing_else(text, answer):
+  assert tools.Calculator().respond(text) == answer
+
+
+def test_answers_follow_a_call_as_the_data_tokenizes_them(make_config):
+  """In GSM8K's `<<48/2=24>>`, the answer's tokens carry no word-start marker: `answer_ids` gives the tokens the
+  call followed by the answer has after the call's own, which is how the training data tokenizes them."""
+  config = make_config()
+  encoder = pipeline.Encoder.from_config(config)
+  piece = sentencepiece.SentencePieceProcessor(model_file=config.tokenizer_path).id_to_piece
+  calculator, step = tools.Calculator(), tools_for_tests.StepCalculator()
+  assert [piece(i) for i in tools.answer_ids(encoder, calculator, "24>>")] == ["2", "4", ">>"]
+  assert [piece(i) for i in encoder.tokenizer.encode("24>>")] == ["▁", "2", "4", ">>"]
+  assert piece(tools.stop_id(calculator, encoder)) == "="
+  assert piece(tools.stop_id(step, encoder)) == "▁="
+  assert [piece(i) for i in tools.answer_ids(encoder, step, " 252")] == ["▁", "2", "5", "2"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("rl.tools=[abacus]",), "unknown tool 'abacus'"),
+        (("rl.tools=[tests.tools_for_tests:nothing]",), "cannot load tool"),
+        (("rl.tools=[tests.run_utils:SHORT_TRAIN_SPLIT]",), "is no tool: it has no name, example_call, respond"),
+    ],
+)
+def test_a_tool_that_is_not_one_fails_at_start_naming_it(make_config, overrides, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    trainer.setup(make_config(*RL, *overrides, config_file="grpo.yml"))
+
+
+def test_on_policy_distillation_refuses_tools(make_config):
+  with pytest.raises(config_lib.ConfigError, match="does not use rl.tools"):
+    trainer.setup(make_config(f"rl.tools=[{STEP_CALCULATOR}]", config_file="distill_on_policy.yml"))
+
+
+@pytest.fixture(scope="module")
+def tool_loop(tmp_path_factory, tfds_dir, sft_checkpoint):
+  """A GRPO run's loop from the SFT model with the step calculator, sampling at temperature 0.7."""
+  out = tmp_path_factory.mktemp("tools")
+  argv = ["", "grpo.yml", "run_name=tools", f"base_output_directory={out}", f"dataset_path={tfds_dir}"]
+  argv += [run_utils.SHORT_TRAIN_SPLIT, *RL, f"rl.tools=[{STEP_CALCULATOR}]", f"load_parameters_path={sft_checkpoint}"]
+  argv += ["decode_sampling_temperature=0.7", "eval_interval=0", "rl.grpo_beta=0.04"]
+  return trainer.setup(config_lib.initialize(argv))
+
+
+def test_a_tool_answer_is_spliced_in_masked_out_and_the_rest_scored_in_context(tool_loop):
+  """Each completion's step line gets the tool's result; those tokens are context, not loss (completion_mask 0,
+  advantages and KL included), and the sampler's log-probs of every token the policy sampled, before and after the
+  answer, are the trainer's from one forward pass over the whole row: the first iteration's ratio is 1."""
+  loop = tool_loop
+  config = loop.config
+  batch = loop.objective.before_step(loop, loop.train_batches.load_next_batch())
+  metrics = loop.objective.step_metrics
+  assert metrics["rl/tool_calls_mean"] >= 0.9 and metrics["rl/tool_calls_max"] <= config.rl.max_tool_calls, metrics
+  with jax.set_mesh(loop.mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+    logps, _ = jax.jit(lambda state, b: rl_base.token_logps(nnx.merge(loop.primary.graphdef, state).model, b, 0.7))(
+        loop.primary.state, batch
+    )
+  rows = {key: np.asarray(value) for key, value in batch.items()}
+  sampled = rows["completion_mask"] != 0
+  difference = np.abs(np.asarray(logps) - rows["old_logps"])[sampled]
+  assert sampled.sum() >= 100 and difference.max() < 1e-4, difference.max()
+  encoder = loop.objective.encoder
+  answered = 0
+  for row in range(len(rows["targets"])):
+    start, end = np.flatnonzero(sampled[row])[0], rows["segmentation"][row].sum()  # the completion's targets
+    targets, mask = rows["targets"][row, start:end], sampled[row, start:end]
+    holes = np.flatnonzero(mask == 0)
+    if not len(holes):
+      continue
+    answered += 1
+    first = holes[: np.argmax(np.diff(holes, append=holes[-1] + 2) > 1) + 1]  # the first answer's tokens
+    text = encoder.decode_completion(targets[: first[0]].tolist())
+    assert encoder.decode_completion(
+        targets[: first[-1] + 1].tolist()
+    ) == text + tools_for_tests.StepCalculator().respond(text)
+    assert np.all(rows["old_logps"][row, start:end][holes] == 0)
+  assert answered >= 8
+
+
+def test_turns_continue_the_decode_exactly(tool_loop):
+  """With no call answered (rl.max_tool_calls=0) every row still stops at each `=` and is decoded again from its
+  re-prefilled context: greedy tokens and log-probs are those of one uninterrupted decode."""
+  loop = tool_loop
+  encoder = loop.objective.encoder
+  prompts = [list(loop.objective.train_prompts.prompt_ids[i]) for i in range(4)]
+  greedy = SamplingParams(temperature=0.7)
+  turns = tools.ToolUse(loop.sampler(), [tools_for_tests.StepCalculator()], encoder, max_calls=0)
+  args = (loop.policy_params(), prompts, 32, encoder.tokenizer.eos_id, jax.random.key(3), greedy)
+  plain, in_turns = loop.sampler().sample(*args, num_samples=2), turns.sample(*args, num_samples=2)
+  stop = tools.stop_id(tools_for_tests.StepCalculator(), encoder)
+  assert all(stop in row for row in plain.completions())  # every row was cut into turns
+  assert in_turns.completions() == plain.completions()
+  np.testing.assert_allclose(in_turns.logprobs, plain.logprobs, atol=2e-5)
+  assert in_turns.sampled.sum() == plain.lengths.sum() and not in_turns.tool_calls.any()
