@@ -1,6 +1,8 @@
 """Tools during sampling: the calculator's answers, sampling in turns, the tool's tokens masked out of training and
 the sampled ones scored in their whole context."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import trainer
+from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.objectives import rl_base
 from maxtext_posttrain.rollout import SamplingParams
@@ -137,3 +140,42 @@ def test_turns_continue_the_decode_exactly(tool_loop):
   assert in_turns.completions() == plain.completions()
   np.testing.assert_allclose(in_turns.logprobs, plain.logprobs, atol=2e-5)
   assert in_turns.sampled.sum() == plain.lengths.sum() and not in_turns.tool_calls.any()
+
+
+@pytest.mark.parametrize(
+    "config_file, overrides",
+    [
+        ("grpo.yml", ("rl.off_policy_steps=1", "trainer_devices_fraction=1", "sampler_devices_fraction=1")),
+        ("ppo.yml", ()),
+    ],
+)
+def test_rl_trains_with_a_tool(make_config, sft_checkpoint, tmp_path, config_file, overrides):
+  """GRPO sampling ahead (the first turn dispatched a step early, the later ones with the weights it read) and PPO
+  (its critic's GAE steps over the answers) train with the tool: every step's completions call it."""
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = make_config(
+      *RL, *overrides, f"rl.tools=[{STEP_CALCULATOR}]", f"load_parameters_path={sft_checkpoint}", "steps=3",
+      "eval_interval=0", f"metrics_file={metrics_file}", config_file=config_file,
+  )  # fmt: skip
+  run_utils.run(config)
+  rows = run_utils.rows(metrics_file)
+  assert sorted(rows) == [0, 1, 2]
+  for row in rows.values():
+    assert row["rl/tool_calls_mean"] >= 0.9 and np.isfinite(row["learning/loss"]), row
+  if overrides:
+    assert [rows[step]["rl/staleness"] for step in (0, 1, 2)] == [0.0, 1.0, 1.0]
+
+
+def test_the_calculator_set_is_the_hard_set_annotated_as_the_calculator_answers():
+  """`arithmetic_word_problems/hard_calculator`: the hard problems with GSM8K's annotation on every step, each one
+  what the calculator answers to the solution up to it."""
+  plain = arithmetic.generate("hard", "train", 50, seed=0)
+  annotated = arithmetic.generate("hard", "train", 50, seed=0, calculator=True)
+  calls = 0
+  for before, after in zip(plain, annotated, strict=True):
+    assert after["question"] == before["question"]
+    assert re.sub(r"<<[^>]*>>", "", after["answer"]) == before["answer"]
+    for call in re.finditer(r"<<[^=]*=", after["answer"]):
+      calls += 1
+      assert after["answer"][call.end() :].startswith(tools.Calculator().respond(after["answer"][: call.end()]))
+  assert calls >= 100

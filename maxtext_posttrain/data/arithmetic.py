@@ -109,8 +109,9 @@ def _step_sentence(rng: random.Random, index: int, op: str, **slots) -> str:
   return connector + sentence
 
 
-def _draw_problem(rng: random.Random, level: Difficulty) -> dict[str, str]:
-  """One problem: question text and a worked solution ending in `#### <answer>`."""
+def _draw_problem(rng: random.Random, level: Difficulty, calculator: bool) -> dict[str, str]:
+  """One problem: question text and a worked solution ending in `#### <answer>`, each step written with GSM8K's
+  calculator annotation (`28 * 9 = <<28*9=252>>252`) when `calculator`."""
   name, obj = rng.choice(_NAMES), rng.choice(_OBJECTS)
   total = rng.randint(1, level.max_operand)
   sentences = [rng.choice(_OPENINGS).format(name=name, n=total, obj=obj)]
@@ -119,14 +120,16 @@ def _draw_problem(rng: random.Random, level: Difficulty) -> dict[str, str]:
     operand = _draw_operand(rng, level, op, total)
     result = _apply(op, total, operand)
     sentences.append(_step_sentence(rng, index, op, name=name, n=operand, obj=obj))
-    lines.append(f"{total} {op} {operand} = {result}")
+    annotation = f"<<{total}{op}{operand}={result}>>" if calculator else ""
+    lines.append(f"{total} {op} {operand} = {annotation}{result}")
     total = result
   sentences.append(rng.choice(_QUESTIONS).format(name=name, obj=obj))
   return {"question": " ".join(sentences), "answer": "\n".join(lines + [f"#### {total}"])}
 
 
-def generate(difficulty: str, split: str, num_examples: int, seed: int) -> list[dict[str, str]]:
-  """`num_examples` distinct problems of `split`, deterministic in (difficulty, split, seed)."""
+def generate(difficulty: str, split: str, num_examples: int, seed: int, calculator: bool = False) -> list[dict[str, str]]:
+  """`num_examples` distinct problems of `split`, deterministic in (difficulty, split, seed); with `calculator`, the
+  same problems with their steps annotated for GSM8K's calculator (`rollout.tools.Calculator`)."""
   if difficulty not in DIFFICULTIES:
     raise ValueError(f"Unknown difficulty {difficulty!r}; expected one of {sorted(DIFFICULTIES)}.")
   if split not in SPLITS:
@@ -138,7 +141,7 @@ def generate(difficulty: str, split: str, num_examples: int, seed: int) -> list[
   for _ in range(max_draws):
     if len(examples) == num_examples:
       return examples
-    problem = _draw_problem(rng, level)
+    problem = _draw_problem(rng, level, calculator)
     if problem["question"] not in seen and split_of(problem["question"]) == split:
       seen.add(problem["question"])
       examples.append(problem)

@@ -28,6 +28,7 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
   num_train: int = 20000
   num_test: int = 500
   seed: int = 0
+  calculator: bool = False  # steps annotated for GSM8K's calculator (`<<28*9=252>>`)
 
 
 class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
@@ -39,6 +40,12 @@ class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
       ArithmeticConfig(name="easy", description="One + or - step, operands 1..9, non-negative results."),
       ArithmeticConfig(name="medium", difficulty="medium", description="Two + / - steps, operands up to 20."),
       ArithmeticConfig(name="hard", difficulty="hard", description="Two or three steps including *, operands up to 50."),
+      ArithmeticConfig(
+          name="hard_calculator",
+          difficulty="hard",
+          calculator=True,
+          description="The hard problems, each step annotated for GSM8K's calculator: 28 * 9 = <<28*9=252>>252.",
+      ),
   ]
 
   @tfds.core.utils.classproperty
@@ -64,7 +71,8 @@ class ArithmeticWordProblems(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, split, num_examples):
     config = self.builder_config
-    for index, example in enumerate(arithmetic.generate(config.difficulty, split, num_examples, config.seed)):
+    examples = arithmetic.generate(config.difficulty, split, num_examples, config.seed, config.calculator)
+    for index, example in enumerate(examples):
       yield index, example
 
 
