@@ -204,14 +204,14 @@ if __name__ == "__main__":
   assert len(jax.devices()) == _mesh.size == 4, _mesh
   _sampler = Sampler(_config, _mesh)
   _, _trainer_mesh, _, _trainer_params = _build(["ici_fsdp_parallelism=4"])
-  _resharded = _sampler._on_mesh(_trainer_params)  # pylint: disable=protected-access
+  _resharded = _sampler.on_mesh(_trainer_params)
   _targets = [a.sharding for a in jax.tree.leaves(_sampler.abstract_params)]
   print(
       json.dumps(
           {
               "in_place": _sampler.generate(_params, _prompts(), MAX_NEW_TOKENS, eos_id=NO_EOS),
               "resharded": _sampler.generate(_trainer_params, _prompts(), MAX_NEW_TOKENS, eos_id=NO_EOS),
-              "in_place_uses_params_as_given": _sampler._on_mesh(_params) is _params,  # pylint: disable=protected-access
+              "in_place_uses_params_as_given": _sampler.on_mesh(_params) is _params,
               "resharded_onto_rollout_mesh": all(
                   x.sharding == t and x.sharding != y.sharding
                   for x, y, t in zip(jax.tree.leaves(_resharded), jax.tree.leaves(_trainer_params), _targets)
