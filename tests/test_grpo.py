@@ -216,9 +216,10 @@ def test_groups_travel_between_processes_as_they_were_sampled():
   make = grpo._Group  # pylint: disable=protected-access
   logprobs = [[-0.5, -0.25], [-1.0], [], [-0.1, -0.2, -0.3]]
   logprobs = [np.array(row, np.float32) for row in logprobs]  # as the sampler returns them
+  sampled = [np.array(row, np.int8) for row in ([1, 0], [1])]  # a tool's answer (rl.tools) in the first completion
   groups = [
-      make(7, [1, 5, 9], [[3, 4], [6]], logprobs[:2], np.array([1.0, 0.0]), np.array([1.0, 2.0])),
-      make(2, [1], [[], [8, 8, 8]], logprobs[2:], np.array([0.5, 0.5]), np.array([0.0, 0.5])),
+      make(7, [1, 5, 9], [[3, 4], [6]], logprobs[:2], np.array([1.0, 0.0]), np.array([1.0, 2.0]), sampled),
+      make(2, [1], [[], [8, 8, 8]], logprobs[2:], np.array([0.5, 0.5]), np.array([0.0, 0.5])),  # sampled: all
   ]
   packed = grpo._pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3)  # pylint: disable=protected-access
   assert {value.shape[0] for value in packed.values()} == {3}
@@ -229,6 +230,8 @@ def test_groups_travel_between_processes_as_they_were_sampled():
       np.testing.assert_array_equal(got_row, want_row)
     np.testing.assert_array_equal(got.rewards, group.rewards)
     np.testing.assert_array_equal(got.filter_scores, group.filter_scores)
+    for got_row, completion, want_row in zip(got.sampled, group.completions, group.sampled or [None] * 2, strict=True):
+      np.testing.assert_array_equal(got_row, np.ones(len(completion)) if want_row is None else want_row)
 
 
 @pytest.mark.parametrize(

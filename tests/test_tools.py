@@ -68,6 +68,7 @@ def test_answers_follow_a_call_as_the_data_tokenizes_them(make_config):
         (("rl.tools=[abacus]",), "unknown tool 'abacus'"),
         (("rl.tools=[tests.tools_for_tests:nothing]",), "cannot load tool"),
         (("rl.tools=[tests.run_utils:SHORT_TRAIN_SPLIT]",), "is no tool: it has no name, example_call, respond"),
+        ((f"rl.tools=[calculator,{STEP_CALCULATOR},calculator]",), "calculator's calls end with the token calculator's"),
     ],
 )
 def test_a_tool_that_is_not_one_fails_at_start_naming_it(make_config, overrides, message):
@@ -91,8 +92,7 @@ def tool_loop(tmp_path_factory, tfds_dir, sft_checkpoint):
 
 
 def test_a_tool_answer_is_spliced_in_masked_out_and_the_rest_scored_in_context(tool_loop):
-  """Each completion's step line gets the tool's result; those tokens are context, not loss (completion_mask 0,
-  advantages and KL included), and the sampler's log-probs of every token the policy sampled, before and after the
+  """Each completion's step line gets the tool's result; those tokens are context, not loss (completion_mask 0), and the sampler's log-probs of every token the policy sampled, before and after the
   answer, are the trainer's from one forward pass over the whole row: the first iteration's ratio is 1."""
   loop = tool_loop
   config = loop.config
@@ -126,17 +126,18 @@ def test_a_tool_answer_is_spliced_in_masked_out_and_the_rest_scored_in_context(t
 
 
 def test_turns_continue_the_decode_exactly(tool_loop):
-  """With no call answered (rl.max_tool_calls=0) every row still stops at each `=` and is decoded again from its
-  re-prefilled context: greedy tokens and log-probs are those of one uninterrupted decode."""
+  """A tool that never answers: every row stops at its `=` and is decoded again from its re-prefilled context (the
+  later turns' program compiles and runs); greedy tokens and log-probs are those of one uninterrupted decode."""
   loop = tool_loop
   encoder = loop.objective.encoder
   prompts = [list(loop.objective.train_prompts.prompt_ids[i]) for i in range(4)]
   greedy = SamplingParams(temperature=0.7)
-  turns = tools.ToolUse(loop.sampler(), [tools_for_tests.StepCalculator()], encoder, max_calls=0)
+  turns = tools.ToolUse(loop.sampler(), [tools_for_tests.Silent()], encoder, max_calls=1)
   args = (loop.policy_params(), prompts, 32, encoder.tokenizer.eos_id, jax.random.key(3), greedy)
   plain, in_turns = loop.sampler().sample(*args, num_samples=2), turns.sample(*args, num_samples=2)
-  stop = tools.stop_id(tools_for_tests.StepCalculator(), encoder)
-  assert all(stop in row for row in plain.completions())  # every row was cut into turns
+  stop = tools.stop_id(tools_for_tests.Silent(), encoder)
+  assert all(stop in row[:-1] for row in plain.completions())  # every row is cut into turns
+  assert turns.followup.num_compiles >= 1
   assert in_turns.completions() == plain.completions()
   np.testing.assert_allclose(in_turns.logprobs, plain.logprobs, atol=2e-5)
   assert in_turns.sampled.sum() == plain.lengths.sum() and not in_turns.tool_calls.any()

@@ -20,3 +20,14 @@ class StepCalculator:
     if match is None:
       return None
     return f" {_APPLY[match.group(2)](int(match.group(1)), int(match.group(3)))}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Silent(StepCalculator):
+  """Stops where the step calculator stops and never answers."""
+
+  name: str = "silent"
+
+  def respond(self, text: str) -> str | None:
+    del text
+    return None

@@ -85,6 +85,7 @@ class ArithmeticPreferences(tfds.core.GeneratorBasedBuilder):
   BUILDER_CONFIGS = [
       ArithmeticConfig(name=c.name, difficulty=c.difficulty, description=c.description)
       for c in ArithmeticWordProblems.BUILDER_CONFIGS
+      if not c.calculator  # the pairs' wrong solutions are written without annotations
   ]
 
   @tfds.core.utils.classproperty

@@ -91,6 +91,8 @@ def training_rows(
     rows["positions"][i] = np.arange(length)
     rows["segmentation"][i, :n] = 1
     start = len(prompt) - 1
+    if sampled is not None and len(completion) and not sampled[i][0]:
+      raise ValueError(f"Row {i}: its completion starts with a tool's answer; the window starts at a sampled token.")
     if window is not None and (len(completion) > window or start + window > length):
       raise ValueError(f"Row {i}: a {len(completion)}-token completion at {start} leaves a {window}-token window.")
     rows["completion_mask"][i, start : start + len(completion)] = 1 if sampled is None else sampled[i][: len(completion)]
@@ -173,8 +175,7 @@ def check_config(config, min_generations: int) -> None:
         f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
         "samples them ahead of the step that trains on them; rl.tools gives them tools)."
     )
-  for spec in rl.tools:
-    tools_lib.load(spec)
+
   if rl.dynamic_sampling_metric not in (config_lib.SHAPED_REWARD, config_lib.REWARD_SUM, *rl.rewards):
     raise config_lib.ConfigError(
         f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric!r}: expected {config_lib.SHAPED_REWARD!r}, "
@@ -265,6 +266,7 @@ class RLObjective(Objective):
       self.roles += (roles.teacher(config, f"rl.teacher_kl_coef={rl.teacher_kl_coef}"),)
     self.encoder = pipeline.Encoder.from_config(config)
     self.num_pieces = self.encoder.num_pieces  # ids the sampler can draw; the loss scores the same distribution
+    tools_lib.stop_tokens([tools_lib.load(spec) for spec in rl.tools], self.encoder)  # fails at start, not at sampling
     self.train_prompts = self.eval_prompts = None
     self.step_metrics = {}  # host-side metrics of the last step (rollout, rewards, timings), logged with its own
     self.rollout_prompts: list[int] = []  # this process's prompts of the rollout batch being trained on
@@ -349,13 +351,17 @@ class RLObjective(Objective):
 
   def step_rollouts(self, loop, batch, metrics: dict, ahead: bool = True) -> Rollouts:
     """This step's rollouts, scored: sampled ahead by an earlier step, else now from `batch`'s prompts. Before
-    waiting for them, dispatches the next steps' rollouts (`_dispatch_ahead`) unless `ahead` is false: a step that
-    samples more rounds of its own dispatches them after those."""
+    scoring them, dispatches the next steps' rollouts (`_dispatch_ahead`) unless `ahead` is false: a step that
+    samples more rounds of its own dispatches them after those. With tools, after this step's later turns, which
+    would otherwise queue behind the next step's first turn on the sampler's devices."""
     dispatched = self._ahead.pop(loop.step, None) or self._dispatch(loop, self.indices(batch), loop.step, 0)
+    waiting = time.perf_counter()
+    if ahead and self.rl.tools:
+      dispatched.pending.result()
     if ahead:
       self._dispatch_ahead(loop)
     self.rollout_prompts = list(dispatched.indices)
-    return self._score(loop, dispatched, metrics)
+    return self._score(loop, dispatched, metrics, waiting)
 
   def sample(self, loop, indices: list[int], round_index: int, metrics: dict | None) -> Rollouts:
     """`rl.num_generations` completions for each of this process's prompts, sampled now with the current policy
@@ -403,14 +409,14 @@ class RLObjective(Objective):
     )
     return _Dispatched(indices, pending, loop.step, started)
 
-  def _score(self, loop, dispatched: _Dispatched, metrics: dict | None) -> Rollouts:
+  def _score(self, loop, dispatched: _Dispatched, metrics: dict | None, waiting: float | None = None) -> Rollouts:
     """Waits for dispatched rollouts and scores them here, each row once, on the process that owns it; adds the whole
     batch's rollout statistics to `metrics` (if given): `rl/rollout_seconds` is the time this step spent on them
-    (sampling, or only waiting when they were sampled ahead) and `rl/staleness` the policy updates between the
-    weights that sampled them and the weights they train."""
+    (sampling, or only waiting, since `waiting`, when they were sampled ahead) and `rl/staleness` the policy updates
+    between the weights that sampled them and the weights they train."""
     rl, prompt_set, indices = self.rl, self.train_prompts, dispatched.indices
     num_samples = rl.num_generations
-    start = dispatched.started if dispatched.params_step == loop.step else time.perf_counter()
+    start = dispatched.started if dispatched.params_step == loop.step else (waiting or time.perf_counter())
     out = dispatched.pending.result()
     rollout_seconds = time.perf_counter() - start
     completions = out.completions()

@@ -414,8 +414,8 @@ class Sampler:
         sample what one process sampling all their prompts in process order would.
       copy_params: read a copy of `params` made before returning, so the caller may update or donate its own (a
         train step) while this program still runs.
-      active: per prompt, whether to sample it (all when None); an inactive prompt's rows are done from the start,
-        and only its first token is prefilled.
+      active: per prompt, whether to sample it (all when None); an inactive prompt's rows are done from the start
+        (each still returns one drawn token: ignore it), and only its first token is prefilled.
     """
     sampling = sampling or SamplingParams.from_config(self.config)
     if truncate_prompts is None:

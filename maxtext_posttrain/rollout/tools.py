@@ -1,23 +1,26 @@
 """Tool use during sampling: a completion that writes a tool call gets the tool's answer spliced in, then goes on.
 
-A tool declares how its call ends (`call_end`, e.g. GSM8K's calculator annotation `<<48/2=`) and answers a
-completion that ends with a call (`respond`: the text to insert, here `24>>`, or None when no call is open). Sampling
-then runs in turns (`ToolUse`): every row decodes until EOS, the generation budget or the token that ends a call;
-each row that ended a call gets the tool's answer appended as tokens the policy did not sample, and the rows with
-budget left are decoded again from their whole context (prompt, completion so far, answers), re-prefilled by a second
-`Sampler` whose prefill covers a prompt and a completion. Rows that are done sit out the later turns (inactive
-rows of the decode program). A turn's stop token is the last token of the tokenizer's encoding of the tool's
-`example_call`, so a call written the way training data writes calls stops the turn, and a call tokenized otherwise
-gets no answer (the policy computes on its own).
+A tool says how its calls are written (`example_call`, e.g. GSM8K's calculator annotation `<<1+1=`) and answers a
+completion that ends with a call (`respond`: the text to insert, `24>>` after `<<48/2=`, or None when no call is
+open). Sampling then runs in turns (`ToolUse`): every row decodes until EOS, the generation budget or a tool's stop
+token (the last token of the tokenizer's encoding of its `example_call`, so a call written the way the data writes
+calls ends a turn, and a call tokenized otherwise gets no answer: the policy computes on its own); each row that
+stopped there gets the tool's answer appended as tokens the policy did not sample, and the rows with budget left are
+decoded again from their whole context (prompt, completion so far, answers), re-prefilled by a second `Sampler`
+whose prefill covers a prompt and a completion, while the rows that are done sit out (inactive rows of its decode
+program). A row ends a turn at a stop token `rl.max_tool_calls` times at most; once no row may stop again, the last
+turn samples to the end without the tools' stop tokens, so there are at most `rl.max_tool_calls` + 2 turns.
 
 What training sees: `Rollouts.sampled` marks the tokens the policy sampled (1) and the inserted answers (0); the
 RL rows' `completion_mask` is that mask, so no loss term, KL, entropy or advantage counts the tool's tokens, while
 they stay in the context the policy's later tokens are scored in. The sampler's log-probs of the sampled tokens
 are those of the whole context, as the trainer's single forward pass scores them (the first iteration's ratio is 1).
 
-This is the calculator loop of Cobbe et al. 2021 (GSM8K), in turns instead of in the token loop: each turn
-re-prefills its rows, which costs a prefill per call rather than one per prompt; on the sizes RL runs at, a few
-calls per completion, that is a small part of the decode.
+This is the calculator loop of Cobbe et al. 2021 (GSM8K), in turns instead of inside the token loop, since a tool
+runs on the host. The price: each later turn prefills every row of the batch again at its whole context's length
+(inactive rows one token), where one decode would extend the caches, and compiles its programs per prompt bucket
+and per power of two of the tokens left. `respond` must be deterministic: on several processes sampling the same
+rows (evaluation), each decides the turns on its own.
 """
 
 import ast
@@ -25,7 +28,7 @@ import dataclasses
 import importlib
 import operator
 import re
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import jax
 import numpy as np
@@ -94,7 +97,7 @@ class Calculator:
 
   name: str = "calculator"
   example_call: str = "<<1+1="
-  _open_call = re.compile(r"<<([^<>]*)=$")
+  _open_call: ClassVar[re.Pattern] = re.compile(r"<<([^<>]*)=$")
 
   def respond(self, text: str) -> str | None:
     match = self._open_call.search(text)
@@ -109,6 +112,11 @@ class Calculator:
 
 
 BUILTINS = {"calculator": Calculator}
+_EXCERPT_CHARS = 200
+
+
+class ToolError(RuntimeError):
+  """A tool's `respond` raised: the run stops naming the tool, the row and the completion it was given."""
 
 
 def load(spec: str) -> Tool:
@@ -147,6 +155,18 @@ def answer_ids(encoder: pipeline.Encoder, tool: Tool, answer: str) -> list[int]:
   return both[len(call) :] if both[: len(call)] == call else list(encoder.tokenizer.encode(answer))
 
 
+def stop_tokens(tools: list[Tool], encoder: pipeline.Encoder) -> dict[int, Tool]:
+  """Each tool by its stop token; ConfigError when two tools' calls end with one token, or one's with EOS."""
+  stops = {}
+  for tool in tools:
+    token = stop_id(tool, encoder)
+    if token in stops or token == encoder.tokenizer.eos_id:
+      other = stops[token].name if token in stops else "EOS"
+      raise config_lib.ConfigError(f"rl.tools: {tool.name}'s calls end with the token {other}'s end with ({token}).")
+    stops[token] = tool
+  return stops
+
+
 def with_tools(sampler: sampler_lib.Sampler, config, encoder: pipeline.Encoder) -> "sampler_lib.Sampler | ToolUse":
   """`sampler`, or with `rl.tools` set, sampling in turns with those tools through it."""
   if not config.rl.tools:
@@ -159,14 +179,13 @@ class ToolUse:
 
   def __init__(self, sampler: sampler_lib.Sampler, tools: list[Tool], encoder: pipeline.Encoder, max_calls: int):
     self.sampler = sampler
-    self.tools = tools
     self.encoder = encoder
     self.max_calls = max_calls
-    self.stops = {stop_id(tool, encoder): tool for tool in tools}
-    budget = config_lib.max_new_tokens(sampler.config)
+    self.stops = stop_tokens(tools, encoder)
+    self.budget = config_lib.max_new_tokens(sampler.config)
     # Later turns prefill a prompt and a completion so far: up to max_target_length tokens.
     followup_config = config_lib.with_overrides(
-        sampler.config, max_prefill_predict_length=sampler.config.max_prefill_predict_length + budget
+        sampler.config, max_prefill_predict_length=sampler.config.max_prefill_predict_length + self.budget
     )
     self.followup = sampler_lib.Sampler(followup_config, sampler.mesh)
 
@@ -187,6 +206,11 @@ class ToolUse:
       copy_params: bool = False,
   ) -> "PendingToolRollouts":
     """Dispatches the first turn as `Sampler.start` does (same arguments) and returns what finishes the others."""
+    if max_new_tokens > self.budget:
+      raise ValueError(
+          f"max_new_tokens={max_new_tokens} is more than the generation budget the later turns are sized for "
+          f"(max_target_length - max_prefill_predict_length = {self.budget})."
+      )
     params = self.sampler.on_mesh(params, copy=copy_params)  # later turns read the weights the first one did
     first = self.sampler.start(
         params,
@@ -196,7 +220,7 @@ class ToolUse:
         rng,
         sampling,
         num_samples=num_samples,
-        stop_ids=tuple(self.stops),
+        stop_ids=tuple(self.stops) if self.max_calls else (),
         process_local=process_local,
     )
     return PendingToolRollouts(self, first, params, max_new_tokens, eos_id, rng, sampling, process_local)
@@ -204,7 +228,7 @@ class ToolUse:
 
 @dataclasses.dataclass
 class PendingToolRollouts:
-  """The first turn's dispatched program and what the later turns need; `result()` runs them."""
+  """The first turn's dispatched program and what the later turns need; `result()` runs them (once)."""
 
   tool_use: ToolUse
   first: sampler_lib.PendingRollouts
@@ -214,30 +238,40 @@ class PendingToolRollouts:
   rng: jax.Array
   sampling: sampler_lib.SamplingParams
   process_local: bool
+  _result: sampler_lib.Rollouts | None = None
 
   def result(self) -> sampler_lib.Rollouts:
     """Waits for the first turn, then answers calls and decodes again until every row is done."""
+    if self._result is None:
+      self._result = self._finish()
+    return self._result
+
+  def _finish(self) -> sampler_lib.Rollouts:
     use, budget = self.tool_use, self.max_new_tokens
     out = self.first.result()
     rows = len(out.lengths)
-    tokens = [list(map(int, out.tokens[r, : out.lengths[r]])) for r in range(rows)]
-    logprobs = [list(map(float, out.logprobs[r, : out.lengths[r]])) for r in range(rows)]
+    tokens = [out.tokens[r, : out.lengths[r]].tolist() for r in range(rows)]
+    logprobs = [out.logprobs[r, : out.lengths[r]].tolist() for r in range(rows)]
     sampled = [[1] * len(t) for t in tokens]
-    calls = np.zeros(rows, np.int32)
+    stops, calls = np.zeros(rows, np.int32), np.zeros(rows, np.int32)  # turns ended at a stop token; answered ones
     turn_keys = jax.random.split(self.rng)[1]
-    for turn in range(1, budget + 1):  # every turn adds a token to each row it decodes
-      active = [self._answer(r, tokens, logprobs, sampled, calls) for r in range(rows)]
-      if not self._any(active):
+    stopping = use.max_calls > 0  # whether the turn just decoded stopped at the tools' stop tokens
+    for turn in range(1, use.max_calls + 2):
+      active = [stopping and self._answer(r, tokens, logprobs, sampled, stops, calls) for r in range(rows)]
+      left = max((budget - len(tokens[r]) for r in range(rows) if active[r]), default=0)
+      left = self._gathered_max(left)
+      if not left:
         break
-      contexts = [out.prompts[r] + tokens[r] if active[r] else [self.eos_id] for r in range(rows)]
+      # While some row may still have a call answered, the turn stops at the tools' tokens; else it samples to the end.
+      stopping = bool(self._gathered_max(int(any(active[r] and stops[r] < use.max_calls for r in range(rows)))))
       more = use.followup.sample(
           self.params,
-          contexts,
-          budget,
+          [out.prompts[r] + tokens[r] if active[r] else [self.eos_id] for r in range(rows)],
+          min(budget, 1 << (left - 1).bit_length()),  # a power of two: a few programs for every budget left
           self.eos_id,
           jax.random.fold_in(turn_keys, turn),
           self.sampling,
-          stop_ids=tuple(use.stops),
+          stop_ids=tuple(use.stops) if stopping else (),
           truncate_prompts=False,
           process_local=self.process_local,
           active=active,
@@ -247,13 +281,12 @@ class PendingToolRollouts:
         tokens[r] += more.tokens[r, :n].tolist()
         logprobs[r] += more.logprobs[r, :n].tolist()
         sampled[r] += [1] * n
-    lengths = np.array([len(t) for t in tokens], np.int32)
-    grid = lambda values, dtype: np.array([v + [0] * (budget - len(v)) for v in values], dtype)
+    grid = lambda values, dtype: np.array([v + [0] * (budget - len(v)) for v in values], dtype).reshape(rows, budget)
     return sampler_lib.Rollouts(
         prompts=out.prompts,
         tokens=grid(tokens, np.int32),
         logprobs=grid(logprobs, np.float32),
-        lengths=lengths,
+        lengths=np.array([len(t) for t in tokens], np.int32),
         finish_reasons=["eos" if t and t[-1] == self.eos_id else "length" for t in tokens],
         num_truncated_prompts=out.num_truncated_prompts,
         num_samples=out.num_samples,
@@ -261,14 +294,32 @@ class PendingToolRollouts:
         tool_calls=calls,
     )
 
-  def _answer(self, r: int, tokens, logprobs, sampled, calls) -> bool:
-    """Appends the tool's answer to row r if it ended a call (within rl.max_tool_calls); whether the row decodes
-    again (it stopped at a call's end with budget left)."""
+  def _answer(
+      self,
+      r: int,
+      tokens: list[list[int]],
+      logprobs: list[list[float]],
+      sampled: list[list[int]],
+      stops: np.ndarray,
+      calls: np.ndarray,
+  ) -> bool:
+    """Counts row r's stop if it ended its turn at a tool's stop token and appends the tool's answer (none past
+    rl.max_tool_calls stops); whether the row decodes again (it stopped there with budget left)."""
     use, budget = self.tool_use, self.max_new_tokens
     if not tokens[r] or tokens[r][-1] not in use.stops or len(tokens[r]) >= budget:
       return False
+    stops[r] += 1
+    if stops[r] > use.max_calls:
+      return True
     tool = use.stops[tokens[r][-1]]
-    answer = tool.respond(use.encoder.decode_completion(tokens[r])) if calls[r] < use.max_calls else None
+    text = use.encoder.decode_completion(tokens[r])
+    try:
+      answer = tool.respond(text)
+    except Exception as error:  # a user's tool: any failure stops the run, naming it
+      excerpt = text if len(text) <= _EXCERPT_CHARS else "... " + text[-_EXCERPT_CHARS:]
+      raise ToolError(
+          f"Tool {tool.name!r} on row {r}: {type(error).__name__}: {error}; completion: {excerpt!r}"
+      ) from error
     if answer is not None:
       ids = answer_ids(use.encoder, tool, answer)[: budget - len(tokens[r])]
       tokens[r] += ids
@@ -277,9 +328,9 @@ class PendingToolRollouts:
       calls[r] += 1
     return len(tokens[r]) < budget
 
-  def _any(self, active: list[bool]) -> bool:
-    """Whether any row decodes again, on any process (a turn is a collective program when rows are process-local)."""
-    count = np.array([sum(active)], np.int32)
-    if self.process_local:
-      count = multihost_utils.process_allgather(count)
-    return bool(np.sum(count))
+  def _gathered_max(self, value: int) -> int:
+    """The largest `value` of any process: a turn is a collective program when rows are process-local, so every
+    process decides on the same figures."""
+    if not self.process_local:
+      return value
+    return int(np.max(multihost_utils.process_allgather(np.array([value], np.int32))))
