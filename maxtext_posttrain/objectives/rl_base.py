@@ -175,7 +175,6 @@ def check_config(config, min_generations: int) -> None:
         f"{mode} does not support rl.use_agentic_rollout: rollouts are sampled by MaxText decoding (rl.off_policy_steps "
         "samples them ahead of the step that trains on them; rl.tools gives them tools)."
     )
-
   if rl.dynamic_sampling_metric not in (config_lib.SHAPED_REWARD, config_lib.REWARD_SUM, *rl.rewards):
     raise config_lib.ConfigError(
         f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric!r}: expected {config_lib.SHAPED_REWARD!r}, "
