@@ -4,16 +4,16 @@
 # Run it in a clean clone of the commit whose README it checks, after `make env`:
 #
 #   bash scripts/readme_figures.sh /tmp/figures            # everything (about 55 minutes on 2 CPU cores)
-#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, distill, compile,
+#   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, tools, distill, compile,
 #                                                          # bench, peers (Tunix side by side: needs .venv-peers,
 #                                                          # `make peers-env`)
 #
 # The suite's size and time come from `make test` (or `.ci/run`) on the same clone.
 set -euo pipefail
 
-OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [distill] [compile] [bench] [peers]}")
+OUT=$(realpath -m "${1:?usage: scripts/readme_figures.sh <output dir> [demo] [dpo] [rm] [tools] [distill] [compile] [bench] [peers]}")
 shift
-GROUPS_WANTED=${*:-demo dpo rm distill compile bench}
+GROUPS_WANTED=${*:-demo dpo rm tools distill compile bench}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$(pwd)
 PY=.venv/bin/python
@@ -58,6 +58,20 @@ if wanted rm; then  # the reward model starts from a 4-layer SFT model
     base_num_decoder_layers=4
   run reward_model "$PY" -m maxtext_posttrain.train reward_model.yml run_name=rm base_output_directory="$OUT/rm" \
     load_parameters_path="$OUT/rm/sft4/checkpoints/199/items" base_num_decoder_layers=4 enable_checkpointing=false
+fi
+
+if wanted tools; then  # GSM8K's calculator on the bundled hard problems: SFT on its annotations, evaluation, RL
+  TOOLS=(grain_train_files=arithmetic_word_problems/hard_calculator grain_eval_files=arithmetic_word_problems/hard_calculator
+    max_target_length=192 max_prefill_predict_length=96)
+  run tools_sft "$PY" -m maxtext_posttrain.train sft.yml run_name=sft base_output_directory="$OUT/tools" "${TOOLS[@]}" \
+    steps=1500 checkpoint_period=500 eval_interval=0
+  for tools in plain:[] calculator:[calculator]; do
+    run "tools_eval_${tools%%:*}" "$PY" -m maxtext_posttrain.evaluate sft.yml run_name="eval_${tools%%:*}" \
+      base_output_directory="$OUT/tools" "${TOOLS[@]}" load_parameters_path="$OUT/tools/sft/checkpoints/1499/items" \
+      eval_generation_examples=128 "rl.tools=${tools#*:}"
+  done
+  run tools_grpo "$PY" -m maxtext_posttrain.train grpo.yml run_name=grpo base_output_directory="$OUT/tools" \
+    "${TOOLS[@]}" load_parameters_path="$OUT/tools/sft/checkpoints/500/items" steps=150 "rl.tools=[calculator]"
 fi
 
 if wanted distill; then
