@@ -68,6 +68,7 @@ from maxtext_posttrain.objectives import rl_base
 from maxtext_posttrain.objectives import sft
 from maxtext_posttrain.objectives.base import rows_spec
 from maxtext_posttrain.peft import lora
+from maxtext_posttrain.rollout import tools as tools_lib
 
 _COMPARE_PRETRAINING = flags.DEFINE_bool(
     "compare_pretraining",
@@ -216,11 +217,11 @@ def build(config) -> Run:
   return Run(config, mesh, objective, trained, frozen, kept, options)
 
 
-def _decode(run: Run, name: str, prompts: int, num_samples: int, max_new_tokens: int, sampling) -> Program:
-  """The sampler's program for `prompts` prompts of the largest bucket (max_prefill_predict_length tokens); it
-  reads the policy's weights in place, or under LoRA a merged copy (`lora.policy_params`) held beside the train
-  state."""
-  config = run.config
+def _decode(run: Run, name: str, prompts: int, num_samples: int, max_new_tokens: int, sampling, config=None) -> Program:
+  """The sampler's program for `prompts` prompts of the largest bucket (max_prefill_predict_length tokens) of
+  `config` (the run's when None); it reads the policy's weights in place, or under LoRA a merged copy
+  (`lora.policy_params`) held beside the train state."""
+  config = config or run.config
   sampler = rollout.Sampler(config, run.mesh)
 
   def lowered():
@@ -246,6 +247,12 @@ def _rollout_programs(run: Run) -> list[Program]:
   if request is None:
     return []
   programs = [_decode(run, "rollout sampler", *request)]
+  if objective.rl.tools:  # later turns: every row again, a prompt and a completion long (`tools.PendingToolRollouts`)
+    prompts, num_samples, max_new_tokens, sampling = request
+    later = tools_lib.followup_config(config)
+    programs.append(
+        _decode(run, "rollout sampler, later tool turns", prompts * num_samples, 1, max_new_tokens, sampling, later)
+    )
   data_sharding = sharding.get_input_data_sharding(config, run.mesh)
   rows, length = request[0] * request[1], config.max_target_length
   if rl_base.REWARD_MODEL in run.frozen:

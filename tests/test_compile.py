@@ -41,9 +41,11 @@ def sft(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory):
-  """grpo.yml with a KL term, so with the frozen reference and its forward; the pass@k evaluation samples as the
-  rollouts do (same prompts, samples and settings), so it runs the rollout's program."""
+  """grpo.yml with a KL term, so with the frozen reference and its forward, and a tool, so with the later turns'
+  sampler; the pass@k evaluation samples as the rollouts do (same prompts, samples and settings), so it runs the
+  rollout's programs."""
   keys = ("rl.grpo_beta=0.04", "rl.num_generations=2", "eval_samples_per_prompt=2", "eval_pass_at_k=[1,2]")
+  keys += ("rl.tools=[calculator]",)
   argv = _argv(tmp_path_factory.mktemp("grpo"), "grpo.yml", *SMALL, *keys)
   return compile_lib.compile_run(posttrain_config.initialize(["", *argv]))
 
@@ -82,13 +84,14 @@ def test_sft_compiles_its_steps_and_evaluation_decode(sft, capsys):
 
 def test_grpo_compiles_the_sampler_and_the_reference_forward(grpo):
   run, memories = grpo
-  assert [m.program for m in memories] == ["rollout sampler", "reference forward", "policy train step"]
+  programs = ["rollout sampler", "rollout sampler, later tool turns", "reference forward", "policy train step"]
+  assert [m.program for m in memories] == programs
   _check_sizes(memories)
   assert set(run.kept) == {"policy weights", "policy optimizer", "reference weights"}
   # The reference is sharded as the policy is, not replicated on every chip.
   assert run.kept["reference weights"] == run.kept["policy weights"]
-  sampler, reference, _ = memories
-  assert sampler.kept == reference.kept == sum(run.kept.values()) and sampler.inputs == 0
+  sampler, later_turns, reference, _ = memories
+  assert sampler.kept == later_turns.kept == reference.kept == sum(run.kept.values()) and sampler.inputs == 0
 
 
 def test_a_program_that_fits_only_alone_fails():

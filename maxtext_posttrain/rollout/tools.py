@@ -167,6 +167,13 @@ def stop_tokens(tools: list[Tool], encoder: pipeline.Encoder) -> dict[int, Tool]
   return stops
 
 
+def followup_config(config):
+  """The config of the sampler of later turns: a prefill that covers a prompt and a completion so far (up to
+  max_target_length tokens), the same generation budget."""
+  budget = config_lib.max_new_tokens(config)
+  return config_lib.with_overrides(config, max_prefill_predict_length=config.max_prefill_predict_length + budget)
+
+
 def with_tools(sampler: sampler_lib.Sampler, config, encoder: pipeline.Encoder) -> "sampler_lib.Sampler | ToolUse":
   """`sampler`, or with `rl.tools` set, sampling in turns with those tools through it."""
   if not config.rl.tools:
@@ -183,11 +190,7 @@ class ToolUse:
     self.max_calls = max_calls
     self.stops = stop_tokens(tools, encoder)
     self.budget = config_lib.max_new_tokens(sampler.config)
-    # Later turns prefill a prompt and a completion so far: up to max_target_length tokens.
-    followup_config = config_lib.with_overrides(
-        sampler.config, max_prefill_predict_length=sampler.config.max_prefill_predict_length + self.budget
-    )
-    self.followup = sampler_lib.Sampler(followup_config, sampler.mesh)
+    self.followup = sampler_lib.Sampler(followup_config(sampler.config), sampler.mesh)
 
   def sample(self, *args, **kwargs) -> sampler_lib.Rollouts:
     """`start(...).result()`: samples and waits for the rows; arguments as `start`'s."""
