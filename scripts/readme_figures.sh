@@ -3,7 +3,7 @@
 # after another so that timings do not share the CPU, and keeps each command's output in <output dir>/<name>.log.
 # Run it in a clean clone of the commit whose README it checks, after `make env`:
 #
-#   bash scripts/readme_figures.sh /tmp/figures            # everything (about 55 minutes on 2 CPU cores)
+#   bash scripts/readme_figures.sh /tmp/figures            # everything (about 70 minutes on 2 CPU cores)
 #   bash scripts/readme_figures.sh /tmp/figures demo dpo   # only the named groups: demo, dpo, rm, tools, distill, compile,
 #                                                          # bench, peers (Tunix side by side: needs .venv-peers,
 #                                                          # `make peers-env`)

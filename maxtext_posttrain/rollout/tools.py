@@ -246,7 +246,7 @@ class PendingToolRollouts:
   def result(self) -> sampler_lib.Rollouts:
     """Waits for the first turn, then answers calls and decodes again until every row is done."""
     if self._result is None:
-      self._result = self._finish()
+      self._result, self.params = self._finish(), None  # the weights' copy is not needed any more
     return self._result
 
   def _finish(self) -> sampler_lib.Rollouts:
