@@ -180,3 +180,27 @@ def test_the_calculator_set_is_the_hard_set_annotated_as_the_calculator_answers(
       calls += 1
       assert after["answer"][call.end() :].startswith(tools.Calculator().respond(after["answer"][: call.end()]))
   assert calls >= 100
+
+
+def test_a_resumed_run_with_a_tool_repeats_the_uninterrupted_one(make_config, sft_checkpoint, tmp_path):
+  """Every turn's sampling key is folded from the step's, and a checkpoint part-way through a rollout batch
+  (rl.num_iterations=2, saved after step 2) saves its rows with their mask: a run killed after step 2 and resumed
+  logs the uninterrupted run's rewards, calls and losses."""
+  common = (*RL, f"rl.tools=[{STEP_CALCULATOR}]", f"load_parameters_path={sft_checkpoint}", "rl.num_iterations=2")
+  common += ("enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false", "eval_interval=0")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    run_utils.run(make_config(*common, *overrides, f"metrics_file={metrics_file}", run_name=name, config_file="grpo.yml"))
+    return run_utils.rows(metrics_file)
+
+  full = run("full", "steps=4")
+  run("split", "steps=3", "save_checkpoint_on_completion=false")  # its last checkpoint is step 2's, mid-batch
+  split = run("split", "steps=4")
+  assert sorted(split) == sorted(full) == [0, 1, 2, 3]
+  for key in ("rl/reward_mean", "rl/tool_calls_mean"):  # logged by the steps that draw a batch
+    assert [full[s][key] for s in (0, 2)] == [split[s][key] for s in (0, 2)], key
+  assert full[2]["rl/tool_calls_mean"] >= 0.9
+  np.testing.assert_allclose(
+      [split[s]["learning/loss"] for s in range(4)], [full[s]["learning/loss"] for s in range(4)], rtol=1e-5
+  )
