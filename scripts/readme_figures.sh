@@ -70,8 +70,11 @@ if wanted tools; then  # GSM8K's calculator on the bundled hard problems: SFT on
       base_output_directory="$OUT/tools" "${TOOLS[@]}" load_parameters_path="$OUT/tools/sft/checkpoints/1499/items" \
       eval_generation_examples=128 "rl.tools=${tools#*:}"
   done
-  run tools_grpo "$PY" -m maxtext_posttrain.train grpo.yml run_name=grpo base_output_directory="$OUT/tools" \
-    "${TOOLS[@]}" load_parameters_path="$OUT/tools/sft/checkpoints/500/items" steps=150 "rl.tools=[calculator]"
+  for tools in calculator:[calculator] plain:[]; do  # GRPO from the same checkpoint with and without the calculator
+    run "tools_grpo_${tools%%:*}" "$PY" -m maxtext_posttrain.train grpo.yml run_name="grpo_${tools%%:*}" \
+      base_output_directory="$OUT/tools" "${TOOLS[@]}" load_parameters_path="$OUT/tools/sft/checkpoints/500/items" \
+      steps=150 "rl.tools=${tools#*:}"
+  done
 fi
 
 if wanted distill; then
