@@ -140,7 +140,9 @@ class RL(types.RL):
       "<<expression=value>> annotations) or 'package.module:name'; a call's answer is spliced into the completion and "
       "masked out of the loss.",
   )
-  max_tool_calls: int = Field(8, ge=0, description="Calls per completion a tool answers at most (rl.tools).")
+  max_tool_calls: int = Field(
+      8, ge=0, description="rl.tools: stops at a call per completion, answered or not; later calls get no answer."
+  )
   teacher_kl_coef: float = Field(
       0.0,
       ge=0.0,

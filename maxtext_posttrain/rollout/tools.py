@@ -8,8 +8,9 @@ calls ends a turn, and a call tokenized otherwise gets no answer: the policy com
 stopped there gets the tool's answer appended as tokens the policy did not sample, and the rows with budget left are
 decoded again from their whole context (prompt, completion so far, answers), re-prefilled by a second `Sampler`
 whose prefill covers a prompt and a completion, while the rows that are done sit out (inactive rows of its decode
-program). A row ends a turn at a stop token `rl.max_tool_calls` times at most; once no row may stop again, the last
-turn samples to the end without the tools' stop tokens, so there are at most `rl.max_tool_calls` + 2 turns.
+program). Each stop of a row counts towards `rl.max_tool_calls` (answered or not), and only stops within it are
+answered; once no row has one left, the next turn samples to the end without the tools' stop tokens. A row decoding
+in the k-th later turn has stopped k times, so a batch takes `rl.max_tool_calls` + 1 turns at most.
 
 What training sees: `Rollouts.sampled` marks the tokens the policy sampled (1) and the inserted answers (0); the
 RL rows' `completion_mask` is that mask, so no loss term, KL, entropy or advantage counts the tool's tokens, while
