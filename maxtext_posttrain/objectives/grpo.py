@@ -211,20 +211,13 @@ class GRPO(RLObjective):
             rewards, rl.num_generations, estimator=rl.advantage_estimator, scale_by_std=rl.scale_rewards
         )
     )
-    sampled = None
-    if any(g.sampled is not None for g in groups):
-      sampled = [
-          np.ones(len(c), np.int8) if g.sampled is None else g.sampled[j]
-          for g in groups
-          for j, c in enumerate(g.completions)
-      ]
     rows = training_rows(
         [g.prompt for g in groups for _ in g.completions],
         [c for g in groups for c in g.completions],
         [lp for g in groups for lp in g.logprobs],
         config.max_target_length,
         window=self.max_new_tokens,
-        sampled=sampled,
+        sampled=[s for g in groups for s in (g.sampled or [None] * len(g.completions))],
     )
     if masked:
       rows["completion_mask"][-masked * rl.num_generations :] = 0

@@ -66,12 +66,12 @@ def training_rows(
     logprobs: list[np.ndarray] | None,
     length: int,
     window: int | None = None,
-    sampled: list[np.ndarray] | None = None,
+    sampled: list[np.ndarray | None] | None = None,
 ) -> dict[str, np.ndarray]:
   """[N, length] rows of prompt + completion, next-token shifted, with the sampler's log-probs on the targets.
 
   Row i holds prompt_i + completion_i without its last token as inputs; `completion_mask` is 1 where the target is
-  a completion token the policy sampled (`sampled`, when tools inserted some: 0 on a tool's answer), and
+  a completion token the policy sampled (`sampled[i]`, when tools inserted some: 0 on a tool's answer; None: all), and
   `old_logps` there is the sampler's log-prob of that token (no `old_logps` without `logprobs`: completions nobody
   sampled). Padding has segment id 0. With `window` (the losses' `completion_index` width), each completion and the
   `window` positions from its start must fit in the row.
@@ -91,11 +91,12 @@ def training_rows(
     rows["positions"][i] = np.arange(length)
     rows["segmentation"][i, :n] = 1
     start = len(prompt) - 1
-    if sampled is not None and len(completion) and not sampled[i][0]:
+    mask = 1 if sampled is None or sampled[i] is None else sampled[i][: len(completion)]
+    if len(completion) and not np.atleast_1d(mask)[0]:
       raise ValueError(f"Row {i}: its completion starts with a tool's answer; the window starts at a sampled token.")
     if window is not None and (len(completion) > window or start + window > length):
       raise ValueError(f"Row {i}: a {len(completion)}-token completion at {start} leaves a {window}-token window.")
-    rows["completion_mask"][i, start : start + len(completion)] = 1 if sampled is None else sampled[i][: len(completion)]
+    rows["completion_mask"][i, start : start + len(completion)] = mask
     if logprobs is not None:
       rows["old_logps"][i, start : start + len(completion)] = logprobs[i][: len(completion)]
   return rows

@@ -262,12 +262,14 @@ class PendingToolRollouts:
     stopping = use.max_calls > 0  # whether the turn just decoded stopped at the tools' stop tokens
     for turn in range(1, use.max_calls + 2):
       active = [stopping and self._answer(r, tokens, logprobs, sampled, stops, calls) for r in range(rows)]
-      left = max((budget - len(tokens[r]) for r in range(rows) if active[r]), default=0)
-      left = self._gathered_max(left)
+      # The most tokens a row has left, and whether some row may still have a call answered (then the turn stops at
+      # the tools' tokens; else it samples to the end), over every process.
+      left, stopping = self._gathered_max(
+          max((budget - len(tokens[r]) for r in range(rows) if active[r]), default=0),
+          int(any(active[r] and stops[r] < use.max_calls for r in range(rows))),
+      )
       if not left:
         break
-      # While some row may still have a call answered, the turn stops at the tools' tokens; else it samples to the end.
-      stopping = bool(self._gathered_max(int(any(active[r] and stops[r] < use.max_calls for r in range(rows)))))
       more = use.followup.sample(
           self.params,
           [out.prompts[r] + tokens[r] if active[r] else [self.eos_id] for r in range(rows)],
@@ -332,9 +334,10 @@ class PendingToolRollouts:
       calls[r] += 1
     return len(tokens[r]) < budget
 
-  def _gathered_max(self, value: int) -> int:
-    """The largest `value` of any process: a turn is a collective program when rows are process-local, so every
-    process decides on the same figures."""
+  def _gathered_max(self, *values: int) -> tuple[int, ...]:
+    """The largest of each of `values` over the processes, in one gather: a turn is a collective program when rows are
+    process-local, so every process decides on the same figures."""
     if not self.process_local:
-      return value
-    return int(np.max(multihost_utils.process_allgather(np.array([value], np.int32))))
+      return values
+    gathered = np.asarray(multihost_utils.process_allgather(np.array(values, np.int32))).reshape(-1, len(values))
+    return tuple(int(x) for x in gathered.max(axis=0))
