@@ -271,7 +271,15 @@ def _rollout_programs(run: Run) -> list[Program]:
     if isinstance(objective, grpo.GRPO):
       policy = roles_lib.FrozenModel(roles_lib.reference(), config, run.mesh, *nnx.split(policy.model()))
     programs.append(run.forward("old policy forward", policy, objective.target_logps, batch, temperature))
-  if roles_lib.REFERENCE in run.frozen:
+  if roles_lib.REFERENCE in run.frozen and objective.rl.reference_devices == "sampler":
+    # The decode program's arrays (`rollout.PendingRollouts`), scored as they come out of it.
+    prompts, num_samples, max_new_tokens, _ = request
+    sampler = rollout.Sampler(config, run.mesh)
+    decoded = sampler.abstract_arrays(prompts, config.max_prefill_predict_length, num_samples, max_new_tokens)
+    reference = run.frozen[roles_lib.REFERENCE]
+    name = "reference forward, on the decoded rollouts"
+    programs.append(run.forward(name, reference, objective.rollout_logps, *decoded, temperature))
+  elif roles_lib.REFERENCE in run.frozen:
     reference = run.frozen[roles_lib.REFERENCE]
     programs.append(run.forward("reference forward", reference, objective.target_logps, batch, temperature))
   if isinstance(objective, ppo.PPO):

@@ -143,6 +143,13 @@ class RL(types.RL):
   max_tool_calls: int = Field(
       8, ge=0, description="rl.tools: stops at a call per completion, answered or not; later calls get no answer."
   )
+  reference_devices: Literal["trainer", "sampler"] = Field(
+      "trainer",
+      description="Where the frozen reference (rl.grpo_beta > 0) lives and scores rollouts (GRPO family, PPO). "
+      "trainer: on the trainer's devices, on the training rows before each step (MaxText's RL). sampler: on the "
+      "sampler's devices, on the decoded tokens right after each decode program, so that with rl.off_policy_steps >= 1 "
+      "and devices of its own (trainer_devices_fraction / sampler_devices_fraction) it runs beside the train step.",
+  )
   teacher_kl_coef: float = Field(
       0.0,
       ge=0.0,

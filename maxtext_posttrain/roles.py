@@ -66,6 +66,9 @@ class RoleSpec:
     command_line: whether the run's command-line keys reach the role (yml < command line < overrides); False
       (yml < overrides) is how MaxText builds its distillation teacher from `teacher_overrides`.
     in_step: frozen roles: passed into the jitted train and eval steps, where the loss reads them.
+    on_rollout_mesh: frozen roles read by host hooks: built and run on the rollout mesh (the sampler's devices, the
+      trainer's unless an RL run samples ahead on devices of its own), where they score rollouts as they are
+      sampled (`rl.reference_devices=sampler`).
     loss: trained roles: `loss(model, batch, is_train, frozen) -> objectives.LossOutput`, `frozen` the in-step
       frozen roles' models by name (None where only the role's state is built, as by export).
     prepare: `prepare(model) -> model`, what the objective adds to the model when it is built, before its graph is
@@ -79,6 +82,7 @@ class RoleSpec:
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   command_line: bool = True
   in_step: bool = False
+  on_rollout_mesh: bool = False
   loss: Callable | None = None
   prepare: Callable | None = None
 
@@ -87,6 +91,8 @@ class RoleSpec:
       raise ValueError(f"Role {self.name!r}: a frozen role has no loss.")
     if self.trained and self.in_step:
       raise ValueError(f"Role {self.name!r}: in_step applies to frozen roles (a trained role is the step's own).")
+    if self.on_rollout_mesh and (self.trained or self.in_step):
+      raise ValueError(f"Role {self.name!r}: on_rollout_mesh applies to frozen roles that host hooks run.")
 
 
 def policy(loss: Callable | None = None) -> RoleSpec:
@@ -94,9 +100,9 @@ def policy(loss: Callable | None = None) -> RoleSpec:
   return RoleSpec(POLICY, trained=True, loss=loss)
 
 
-def reference(in_step: bool = False) -> RoleSpec:
+def reference(in_step: bool = False, on_rollout_mesh: bool = False) -> RoleSpec:
   """The frozen starting policy (DPO's reference, RL's KL anchor)."""
-  return RoleSpec(REFERENCE, trained=False, in_step=in_step)
+  return RoleSpec(REFERENCE, trained=False, in_step=in_step, on_rollout_mesh=on_rollout_mesh)
 
 
 def teacher(config, needed_by: str) -> RoleSpec:

@@ -201,7 +201,11 @@ def setup(config) -> Loop:
   objective = objective_class(config)
   mesh, rollout_mesh = mesh_lib.trainer_and_rollout_meshes(config, separate=objective.off_policy_steps > 0)
   specs = objective.roles
-  frozen = {spec.name: roles_lib.build_frozen(spec, config, mesh) for spec in specs if not spec.trained}
+  frozen = {
+      spec.name: roles_lib.build_frozen(spec, config, rollout_mesh if spec.on_rollout_mesh else mesh)
+      for spec in specs
+      if not spec.trained
+  }
   data = objective.make_data(mesh)
   manifest.check_resume(config, data.description)
   data_sharding = sharding.get_input_data_sharding(config, mesh)

@@ -94,6 +94,18 @@ def test_grpo_compiles_the_sampler_and_the_reference_forward(grpo):
   assert sampler.kept == later_turns.kept == reference.kept == sum(run.kept.values()) and sampler.inputs == 0
 
 
+def test_the_reference_on_the_samplers_devices_compiles_on_the_decoded_rollouts(tmp_path):
+  """rl.reference_devices=sampler: the reference's forward reads the decode program's arrays (`Sampler.abstract_arrays`),
+  and its program is fit-checked in place of the one on the training rows."""
+  keys = ("rl.grpo_beta=0.04", "rl.num_generations=2", "rl.reference_devices=sampler", "eval_interval=0")
+  run = compile_lib.build(posttrain_config.initialize(["", *_argv(tmp_path, "grpo.yml", *SMALL, *keys)]))
+  programs = compile_lib._rollout_programs(run)  # pylint: disable=protected-access
+  assert [p.name for p in programs] == ["rollout sampler", "reference forward, on the decoded rollouts"]
+  memory = compile_lib.measure(programs[1])
+  _check_sizes([memory])
+  assert memory.kept == sum(run.kept.values()) and run.kept["reference weights"] == run.kept["policy weights"]
+
+
 def test_a_program_that_fits_only_alone_fails():
   """XLA checks each program alone; the run also keeps its other states on the chip."""
   hbm = 10 * compile_lib.GIB

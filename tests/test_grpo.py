@@ -102,6 +102,15 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("rl.off_policy_steps=1", "rl.use_rollout_logps=false"), "needs rl.use_rollout_logps=true"),
         (("rl.off_policy_steps=1", "rl.force_on_policy_ratio=true"), "force_on_policy_ratio=true pins the ratio"),
         (("rl.dual_clip=3", "rl.loss_algo=gspo"), "dual_clip applies to rl.loss_algo=grpo"),
+        (("rl.reference_devices=sampler",), r"but this run has no reference \(rl.grpo_beta=0\)"),
+        (
+            ("rl.reference_devices=sampler", "rl.grpo_beta=0.1", 'rl.tools=["calculator"]'),
+            r"but rl.tools=\['calculator'\] finish rollouts on the host",
+        ),
+        (
+            ("rl.reference_devices=sampler", "rl.grpo_beta=0.1", "lora.enable_lora=true", "lora.lora_rank=8"),
+            "but under LoRA the reference is the policy's base",
+        ),
         (("rl.reward_weights=[1.0]",), "one weight per reward"),
         (("eval_pass_at_k=[1,16]",), "k <= eval_samples_per_prompt=8"),
         (("rl.dynamic_sampling_metric=accuracy",), "rl.dynamic_sampling_metric='accuracy': expected 'shaped_reward'"),
@@ -117,6 +126,27 @@ def test_bad_rl_settings_fail_naming_the_key(make_config, overrides, message):
   prints these errors in one line (ConfigError)."""
   with pytest.raises(config_lib.ConfigError, match=message):
     grpo.GRPO(make_config(*overrides, config_file=GRPO))
+
+
+def test_device_rows_are_the_training_rows_of_a_decode_programs_arrays():
+  """`rl_base.device_rows` (rl.reference_devices=sampler) builds, on the devices, from right-padded prompts and
+  padded completions, the rows `training_rows` builds on the host: the reference scores the same rows either way."""
+  rng = np.random.default_rng(0)
+  bucket, new_tokens, length = 8, 6, 14
+  prompt_lengths = np.array([1, 8, 3, 5, 2], np.int32)
+  lengths = np.array([6, 1, 4, 6, 3], np.int32)
+  prompt_tokens = np.zeros((5, bucket), np.int32)
+  tokens = np.zeros((5, new_tokens), np.int32)
+  for row in range(5):
+    prompt_tokens[row, : prompt_lengths[row]] = rng.integers(1, 100, prompt_lengths[row])
+    tokens[row, : lengths[row]] = rng.integers(1, 100, lengths[row])
+  prompts = [list(prompt_tokens[r, : prompt_lengths[r]]) for r in range(5)]
+  completions = [list(tokens[r, : lengths[r]]) for r in range(5)]
+  host = rl_base.training_rows(prompts, completions, None, length, window=new_tokens)
+  device = jax.jit(rl_base.device_rows, static_argnums=4)(prompt_tokens, prompt_lengths, tokens, lengths, length)
+  assert set(device) == set(host)
+  for key, value in host.items():
+    np.testing.assert_array_equal(device[key], value, err_msg=key)
 
 
 def test_training_rows_put_sampler_logprobs_on_the_completion_targets():
@@ -221,6 +251,7 @@ def test_groups_travel_between_processes_as_they_were_sampled():
       make(7, [1, 5, 9], [[3, 4], [6]], logprobs[:2], np.array([1.0, 0.0]), np.array([1.0, 2.0]), sampled),
       make(2, [1], [[], [8, 8, 8]], logprobs[2:], np.array([0.5, 0.5]), np.array([0.0, 0.5])),  # sampled: all
   ]
+  groups[0].reference = [np.float32([-0.75, -2.0]), np.float32([-0.5])]  # rl.reference_devices=sampler's
   packed = grpo._pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3)  # pylint: disable=protected-access
   assert {value.shape[0] for value in packed.values()} == {3}
   for i, group in enumerate(groups):
@@ -232,6 +263,8 @@ def test_groups_travel_between_processes_as_they_were_sampled():
     np.testing.assert_array_equal(got.filter_scores, group.filter_scores)
     for got_row, completion, want_row in zip(got.sampled, group.completions, group.sampled or [None] * 2, strict=True):
       np.testing.assert_array_equal(got_row, np.ones(len(completion)) if want_row is None else want_row)
+    for got_row, completion, want_row in zip(got.reference, group.completions, group.reference or [None] * 2):
+      np.testing.assert_array_equal(got_row, np.zeros(len(completion)) if want_row is None else want_row)
 
 
 @pytest.mark.parametrize(
@@ -546,6 +579,24 @@ def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_c
     assert rows["ahead"][step]["rl/staleness"] == 0
     for key in ("rl/reward_mean", "rl/completion_length_mean", "learning/loss", "learning/grad_norm", "learning/kl"):
       assert rows["ahead"][step][key] == rows["on_policy"][step][key], (step, key)
+
+
+def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(make_config, tmp_path):
+  """rl.reference_devices=sampler: the reference scores each rollout batch right after its decode program, from the
+  program's arrays (on the one test device, shared here), and the steps' KL and losses are bit for bit those of the
+  reference scoring the training rows before the step."""
+  common = (*TINY, *CHARACTERS, *AHEAD, "rl.grpo_beta=0.1", "steps=3", "eval_interval=0", "learning_rate=1e-2")
+  rows = {}
+  for devices in ("trainer", "sampler"):
+    metrics_file = tmp_path / f"{devices}.jsonl"
+    overrides = (f"rl.reference_devices={devices}", f"metrics_file={metrics_file}")
+    run_utils.run(make_config(*common, *overrides, run_name=devices, config_file=GRPO))
+    rows[devices] = _metrics(metrics_file)
+  assert rows["sampler"][2]["learning/kl"] > 0  # the policy has moved off the reference
+  for step in range(3):
+    for key in ("rl/reward_mean", "learning/kl", "learning/loss", "learning/grad_norm"):
+      assert rows["sampler"][step][key] == rows["trainer"][step][key], (step, key)
+  assert "rl/reference_seconds" in rows["trainer"][2] and "rl/reference_seconds" not in rows["sampler"][2]
 
 
 def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):

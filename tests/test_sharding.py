@@ -30,6 +30,8 @@ FSDP_X_TENSOR = ["per_device_batch_size=1", "ici_fsdp_parallelism=2", "ici_tenso
 # deadlocks a program on the trainer's two devices (one device thread waits in an all-reduce, the other in an
 # all-gather of the same execution; seen once in PPO's run), where a TPU runs a program's collectives in order.
 AHEAD = ["rl.off_policy_steps=1", "enable_checkpointing=false", "scan_layers=false"]
+# Where the split runs' reference scores: GRPO's on the trainer's devices, PPO's on the sampler's (the decoded rollouts).
+REFERENCE_DEVICES = {"grpo.yml": "trainer", "ppo.yml": "sampler"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,15 @@ def four_devices(tmp_path_factory, tfds_dir, sft_checkpoint, deep_sft_checkpoint
       ["ppo", "tests.multidevice_rl", "run", [str(root / "ppo"), tfds, FSDP_X_TENSOR, "multidevice", "ppo.yml"]],
       *(
           [f"{config_file}_ahead", "tests.multidevice_rl", "run"]
-          + [[str(root / config_file), tfds, [*AHEAD, "per_device_batch_size=1"], "multidevice", config_file]]
+          + [
+              [
+                  str(root / config_file),
+                  tfds,
+                  [*AHEAD, "per_device_batch_size=1", f"rl.reference_devices={REFERENCE_DEVICES[config_file]}"],
+                  "multidevice",
+                  config_file,
+              ]
+          ]
           for config_file in ("grpo.yml", "ppo.yml")
       ),
       [
@@ -119,8 +129,9 @@ def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_devi
     tmp_path, tfds_dir, config_file, four_devices
 ):
   """rl.off_policy_steps=1 with MaxText's halves on 4 fake devices (trainer on devices 0-1, sampler on 2-3, the
-  weights copied across after every step) against the same run on one device shared by trainer and sampler: the
-  same rollouts (rewards equal) and losses, one update stale after the first step."""
+  weights copied across after every step; PPO's reference on the sampler's devices, `REFERENCE_DEVICES`) against the
+  same run on one device shared by trainer and sampler, its reference on the trainer's: the same rollouts (rewards
+  equal), KL and losses, one update stale after the first step."""
   single = multidevice_rl.run(
       str(tmp_path), str(tfds_dir), [*AHEAD, "trainer_devices_fraction=1", "sampler_devices_fraction=1"], "single",
       config_file,
@@ -131,6 +142,7 @@ def test_sampling_ahead_on_a_rollout_mesh_of_its_own_agrees_with_one_shared_devi
   assert split["rewards"] == single["rewards"]
   # PPO's first loss is ~1e-6, what is left when terms of whitened advantages cancel: float32 summation order shows.
   np.testing.assert_allclose(split["losses"], single["losses"], rtol=1e-4, atol=2e-6)
+  np.testing.assert_allclose(split["kl"], single["kl"], rtol=1e-4, atol=1e-5)
 
 
 def test_distillation_steps_on_one_device_and_on_fsdp_x_tensor_agree(

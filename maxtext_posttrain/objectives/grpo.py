@@ -10,7 +10,7 @@ per prompt with their log-probs; the rewards score them (plus DAPO's overlong sh
 dynamic sampling, groups whose rewards all agree (`rl.dynamic_sampling_metric`: the shaped reward, the sum before
 shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds (the batch
 chosen from every process's groups, as one process would choose: `GRPO._block`); with `rl.grpo_beta` > 0 the frozen
-reference scores the batch. Rows are prompt + completion, one per sample, with the sampler's log-probs as the old
+reference scores the batch (`rl.reference_devices=sampler`: on the sampler's devices, as each rollout batch is decoded). Rows are prompt + completion, one per sample, with the sampler's log-probs as the old
 policy's. The jitted step then differentiates the clipped surrogate (`losses.policy_gradient`). With
 `rl.num_iterations` = mu > 1 the same rollout batch is trained on for mu steps (GRPO's inner iterations), the old
 log-probs fixed at sampling time.
@@ -48,6 +48,7 @@ class _Group:
   rewards: np.ndarray  # [G], shaped: the weighted reward sum plus the overlong penalty
   filter_scores: np.ndarray  # [G], rl.dynamic_sampling_metric's score
   sampled: list[np.ndarray] | None = None  # with rl.tools: per completion, 1 on the tokens the policy sampled
+  reference: list[np.ndarray] | None = None  # rl.reference_devices=sampler: the reference's log-probs per completion
 
   @property
   def informative(self) -> bool:
@@ -71,7 +72,7 @@ class GRPO(RLObjective):
           "rl.force_on_policy_ratio=true pins the ratio to 1, which only holds for rl.num_iterations=1."
       )
     if rl.grpo_beta > 0:
-      self.roles += (roles.reference(),)
+      self.roles += (roles.reference(on_rollout_mesh=rl.reference_devices == "sampler"),)
       self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)
     self.algo = _ALGOS[rl.loss_algo]
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
@@ -133,7 +134,7 @@ class GRPO(RLObjective):
       self._old_policy = self._old_policy or roles.FrozenModel(roles.reference(), self.config, loop.mesh, None, None)
       self._old_policy.graphdef, self._old_policy.state = nnx.split(loop.policy())
       batch["old_logps"] = self._old_policy.run(self.target_logps, batch, temperature)
-    if self.rl.grpo_beta > 0:
+    if self.rl.grpo_beta > 0 and self.rl.reference_devices == "trainer":  # else the rows carry the sampler's
       start = time.perf_counter()
       batch[REFERENCE_KEY] = jax.block_until_ready(loop.role("reference").run(self.target_logps, batch, temperature))
       metrics["rl/reference_seconds"] = time.perf_counter() - start
@@ -155,6 +156,7 @@ class GRPO(RLObjective):
             rewards=out.rewards[p * group_size : (p + 1) * group_size],
             filter_scores=filter_scores[p * group_size : (p + 1) * group_size],
             sampled=None if out.sampled is None else out.sampled[p * group_size : (p + 1) * group_size],
+            reference=None if out.reference is None else out.reference[p * group_size : (p + 1) * group_size],
         )
         for p in range(len(out.prompts) // group_size)
     ]
@@ -218,6 +220,7 @@ class GRPO(RLObjective):
         config.max_target_length,
         window=self.max_new_tokens,
         sampled=[s for g in groups for s in (g.sampled or [None] * len(g.completions))],
+        reference=[r for g in groups for r in g.reference] if self.rl.reference_devices == "sampler" else None,
     )
     if masked:
       rows["completion_mask"][-masked * rl.num_generations :] = 0
@@ -270,6 +273,7 @@ def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, 
       "completions": np.zeros((width, group_size, new_tokens + 1), np.int32),  # likewise
       "logprobs": np.zeros((width, group_size, new_tokens), np.float32),
       "sampled": np.zeros((width, group_size, new_tokens), np.int8),  # 1 on sampled tokens (all without tools)
+      "reference": np.zeros((width, group_size, new_tokens), np.float32),  # rl.reference_devices=sampler's (or 0)
       "scores": np.zeros((width, 2, group_size), np.float32),  # rewards, filter scores
   }
   for i, group in enumerate(groups):
@@ -279,6 +283,8 @@ def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, 
       out["completions"][i, j, : len(completion) + 1] = [len(completion), *completion]
       out["logprobs"][i, j, : len(completion)] = logprobs[: len(completion)]
       out["sampled"][i, j, : len(completion)] = 1 if group.sampled is None else group.sampled[j][: len(completion)]
+      if group.reference is not None:
+        out["reference"][i, j, : len(completion)] = group.reference[j][: len(completion)]
     out["scores"][i] = group.rewards, group.filter_scores
   return out
 
@@ -293,6 +299,7 @@ def _unpack(arrays: dict[str, np.ndarray]) -> _Group:
       completions=[[int(t) for t in row[1 : 1 + n]] for row, n in zip(completions, lengths)],
       logprobs=[row[:n] for row, n in zip(arrays["logprobs"], lengths)],
       sampled=[row[:n] for row, n in zip(arrays["sampled"], lengths)],
+      reference=[row[:n] for row, n in zip(arrays["reference"], lengths)],
       rewards=arrays["scores"][0],
       filter_scores=arrays["scores"][1],
   )

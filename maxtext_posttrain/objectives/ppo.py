@@ -8,7 +8,8 @@ adds GAE, minibatches, the value clip, the entropy bonus, the adaptive KL contro
 
 A rollout, on the host (`before_step`): the run's sampler draws completions with their log-probs; the reward
 functions (and/or a frozen reward model, `rl.rewards=[reward_model]`) score each completion; the frozen reference
-scores its tokens (when `rl.grpo_beta` > 0); the critic reads a value for every completion token, the value of the
+scores its tokens (when `rl.grpo_beta` > 0; `rl.reference_devices=sampler`: on the sampler's devices, as the rollout
+batch is decoded); the critic reads a value for every completion token, the value of the
 token at row column j being the critic's output at column j, i.e. after reading the tokens up to the one *before*
 it (rows hold the whole sequence in `inputs` and the next tokens in `targets`). Per-token rewards are the KL
 penalty plus the score on the last token (`ppo.kl_penalty=reward`), GAE turns them into advantages and returns,
@@ -147,7 +148,7 @@ class PPO(RLObjective):
     self.use_reference = rl.grpo_beta > 0
     self.kl_in_loss = self.use_reference and ppo.kl_penalty == "loss"
     if self.use_reference:
-      self.roles += (roles.reference(),)
+      self.roles += (roles.reference(on_rollout_mesh=rl.reference_devices == "sampler"),)
     reward_model = next((r for r in self.roles if r.name == REWARD_MODEL), None)
     self.roles += (
         roles.RoleSpec(
@@ -250,13 +251,14 @@ class PPO(RLObjective):
         self.config.max_target_length,
         window=self.max_new_tokens,
         sampled=out.sampled,
+        reference=out.reference,
     )
     device = pipeline.process_local_batch(rows, self.config, loop.mesh)
     temperature = jnp.float32(self.sampling.temperature)
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
       device["old_logps"] = loop.trained[roles.POLICY].run(self.target_logps, device, temperature)
-    reference_logps = device["old_logps"]
-    if self.use_reference:
+    reference_logps = device.pop(REFERENCE_KEY, device["old_logps"])  # scored with the rollouts (sampler), or:
+    if self.use_reference and out.reference is None:
       start = time.perf_counter()
       reference_logps = jax.block_until_ready(loop.role("reference").run(self.target_logps, device, temperature))
       metrics["rl/reference_seconds"] = time.perf_counter() - start

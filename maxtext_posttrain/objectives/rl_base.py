@@ -17,6 +17,13 @@ checkpoint: a step after which the models are saved samples nothing ahead, so th
 checkpoint has handed out exactly the batches of the steps it holds, and a resumed run samples, from the checkpoint's
 weights, what the uninterrupted run sampled (the first step after a checkpoint samples on-policy, staleness 0).
 
+Where the reference scores rollouts (`rl.reference_devices`): on the trainer's devices, on the training rows before
+the step (MaxText's RL), or on the sampler's, where it is built: each rollout batch's reference forward is dispatched
+right behind its decode program, on the program's own arrays (`device_rows` builds the rows `training_rows` would, so
+the log-probs are the same), and comes back with the rollouts. Sampling ahead on devices of its own, the sampler's
+devices then run the next batch's decode and reference while the trainer's run the train step; the trainer's devices
+neither hold nor run the reference.
+
 A rollout batch trained on over several steps (`rl.num_iterations`, PPO's `ppo.num_minibatches`) is usually
 part-way through at a checkpoint: MaxText saves after steps 0, `checkpoint_period`, ..., each the first step of a
 batch when the period is a multiple of the batch's steps. The batch's rows are saved with the objective's state
@@ -46,6 +53,7 @@ from maxtext_posttrain.data import prompts as prompts_lib
 from maxtext_posttrain.losses import distillation
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.base import Objective, ObjectiveData
+from maxtext_posttrain.peft import lora
 from maxtext_posttrain.rewards import shaping
 from maxtext_posttrain.rollout import tools as tools_lib
 
@@ -67,20 +75,25 @@ def training_rows(
     length: int,
     window: int | None = None,
     sampled: list[np.ndarray | None] | None = None,
+    reference: list[np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
   """[N, length] rows of prompt + completion, next-token shifted, with the sampler's log-probs on the targets.
 
   Row i holds prompt_i + completion_i without its last token as inputs; `completion_mask` is 1 where the target is
   a completion token the policy sampled (`sampled[i]`, when tools inserted some: 0 on a tool's answer; None: all), and
   `old_logps` there is the sampler's log-prob of that token (no `old_logps` without `logprobs`: completions nobody
-  sampled). Padding has segment id 0. With `window` (the losses' `completion_index` width), each completion and the
-  `window` positions from its start must fit in the row.
+  sampled). `reference`, the reference's log-probs of each completion's tokens (`rl.reference_devices=sampler`),
+  becomes the `REFERENCE_KEY` column there. Padding has segment id 0. With `window` (the losses' `completion_index`
+  width), each completion and the `window` positions from its start must fit in the row. `device_rows` builds the
+  same rows on the devices.
   """
   rows = {key: np.zeros((len(prompts), length), np.int32) for key in ROW_KEYS[:5]}
   if logprobs is not None:
     if len(logprobs) != len(prompts):
       raise ValueError(f"{len(logprobs)} log-prob arrays for {len(prompts)} rows.")
     rows["old_logps"] = np.zeros((len(prompts), length), np.float32)
+  if reference is not None:
+    rows[REFERENCE_KEY] = np.zeros((len(prompts), length), np.float32)
   for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
     sequence = list(prompt) + list(completion)
     if len(sequence) > length + 1:
@@ -99,7 +112,35 @@ def training_rows(
     rows["completion_mask"][i, start : start + len(completion)] = mask
     if logprobs is not None:
       rows["old_logps"][i, start : start + len(completion)] = logprobs[i][: len(completion)]
+    if reference is not None:
+      rows[REFERENCE_KEY][i, start : start + len(completion)] = reference[i][: len(completion)]
   return rows
+
+
+def device_rows(
+    prompt_tokens: jax.Array, prompt_lengths: jax.Array, tokens: jax.Array, lengths: jax.Array, length: int
+) -> dict[str, jax.Array]:
+  """`training_rows`' inputs, targets, positions, segmentation and completion_mask, built on the devices from a
+  decode program's arrays: [rows, bucket] right-padded prompt tokens with their [rows] lengths, [rows, T] completion
+  tokens with theirs (`rollout.PendingRollouts`), so rollouts are scored where they were sampled."""
+  bucket, new_tokens = prompt_tokens.shape[1], tokens.shape[1]
+  column = jnp.arange(length, dtype=jnp.int32)[None, :]
+  prompt_length, last = prompt_lengths[:, None], (prompt_lengths + lengths - 1)[:, None]  # last: inputs end there
+
+  def sequence(at):  # token `at` of prompt + completion (anything past its end: masked below)
+    prompt = jnp.take_along_axis(prompt_tokens, jnp.clip(at, 0, bucket - 1), axis=1)
+    completion = jnp.take_along_axis(tokens, jnp.clip(at - prompt_length, 0, new_tokens - 1), axis=1)
+    return jnp.where(at < prompt_length, prompt, completion)
+
+  inside = column < last
+  start = prompt_length - 1
+  return {
+      "inputs": jnp.where(inside, sequence(column), 0),
+      "targets": jnp.where(inside, sequence(column + 1), 0),
+      "positions": jnp.broadcast_to(column, inside.shape),
+      "segmentation": inside.astype(jnp.int32),
+      "completion_mask": ((column >= start) & (column < start + lengths[:, None])).astype(jnp.int32),
+  }
 
 
 def token_logps(
@@ -197,6 +238,20 @@ def check_config(config, min_generations: int) -> None:
         f"rl.force_on_policy_ratio=true pins the ratio to 1, which rollouts sampled {rl.off_policy_steps} step(s) "
         "ahead (rl.off_policy_steps) are not."
     )
+  if rl.reference_devices == "sampler":
+    refusals = {
+        "this run has no reference (rl.grpo_beta=0)": rl.grpo_beta <= 0,
+        f"rl.tools={list(rl.tools)} finish rollouts on the host, in turns after the decode program": bool(rl.tools),
+        "under LoRA the reference is the policy's base with its starting adapters, on the trainer's devices": (
+            lora.enabled(config)
+        ),
+    }
+    for reason, refused in refusals.items():
+      if refused:
+        raise config_lib.ConfigError(
+            "rl.reference_devices=sampler scores each rollout batch with the reference right after its decode "
+            f"program, but {reason}; set rl.reference_devices=trainer."
+        )
   if max(config.eval_pass_at_k) > config.eval_samples_per_prompt or min(config.eval_pass_at_k) < 1:
     raise config_lib.ConfigError(
         f"eval_pass_at_k={config.eval_pass_at_k} needs 1 <= k <= "
@@ -224,6 +279,7 @@ class Rollouts:
   # (config.REWARD_SUM), the scores rl.dynamic_sampling_metric may name
   scores: dict[str, np.ndarray]
   sampled: list[np.ndarray] | None = None  # with rl.tools, per row: 1 on the tokens the policy sampled, 0 on answers
+  reference: list[np.ndarray] | None = None  # rl.reference_devices=sampler: the reference's log-probs per completion
 
 
 @dataclasses.dataclass
@@ -234,6 +290,7 @@ class _Dispatched:
   pending: rollout.PendingRollouts | tools_lib.PendingToolRollouts
   params_step: int  # the step whose weights sample them
   started: float  # perf_counter at dispatch
+  reference: jax.Array | None = None  # rl.reference_devices=sampler: the reference's [rows, T] log-probs, dispatched
 
 
 class RLObjective(Objective):
@@ -407,7 +464,12 @@ class RLObjective(Objective):
         process_local=True,
         copy_params=copy_params,
     )
-    return _Dispatched(indices, pending, loop.step, started)
+    reference = None
+    if self.rl.reference_devices == "sampler":  # queued behind the decode program on the sampler's devices
+      tokens, _, lengths = pending.outputs
+      temperature = np.float32(self.sampling.temperature)
+      reference = loop.role(roles.REFERENCE).run(self.rollout_logps, *pending.inputs, tokens, lengths, temperature)
+    return _Dispatched(indices, pending, loop.step, started, reference)
 
   def _score(self, loop, dispatched: _Dispatched, metrics: dict | None, waiting: float | None = None) -> Rollouts:
     """Waits for dispatched rollouts and scores them here, each row once, on the process that owns it; adds the whole
@@ -455,8 +517,11 @@ class RLObjective(Objective):
         metrics |= {"rl/tool_calls_mean": float(calls.mean()), "rl/tool_calls_max": float(calls.max())}
     scores = per_function | {config_lib.REWARD_SUM: total}
     sampled = None if out.sampled is None else list(out.sampled)
+    reference = None
+    if dispatched.reference is not None:
+      reference = list(pipeline.local_rows(dispatched.reference)[: len(completions)])
     return Rollouts(
-        indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores, sampled
+        indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores, sampled, reference
     )
 
   def reward_model_scores(self, loop, prompts: list[list[int]], completions: list[list[int]]) -> np.ndarray:
@@ -481,6 +546,26 @@ class RLObjective(Objective):
     out = jnp.zeros(batch["targets"].shape, jnp.float32).at[rows, index].set(logps)
     # Laid out as the batch's columns are (a fresh array's layout would be replicated), for the train step's inputs.
     return nn_partitioning.with_sharding_constraint(out, tuple(self.config.input_data_sharding_logical_axes))
+
+  def rollout_logps(
+      self,
+      model,
+      prompt_tokens: jax.Array,
+      prompt_lengths: jax.Array,
+      tokens: jax.Array,
+      lengths: jax.Array,
+      temperature: jax.Array,
+  ) -> jax.Array:
+    """[rows, T] log-probs of a decode program's completion tokens (0 past each one's end) under a model of the
+    policy's kind, from the program's arrays (`rollout.PendingRollouts`: a prompt's row repeated to its samples), on
+    the rows `training_rows` would build, so they equal `target_logps` at the completion tokens."""
+    num_samples = tokens.shape[0] // prompt_tokens.shape[0]
+    prompt_tokens, prompt_lengths = (jnp.repeat(x, num_samples, axis=0) for x in (prompt_tokens, prompt_lengths))
+    batch = device_rows(prompt_tokens, prompt_lengths, tokens, lengths, self.config.max_target_length)
+    index = completion_index(batch, self.max_new_tokens)
+    logps = token_logps(model, batch, temperature, self.num_pieces, logit_index=index)[0]
+    logps = jnp.where(jnp.arange(logps.shape[1])[None, :] < lengths[:, None], logps, 0.0)
+    return nn_partitioning.with_sharding_constraint(logps, tuple(self.config.input_data_sharding_logical_axes))
 
   def policy_window(self, model, batch: dict[str, jax.Array], is_train: bool):
     """(the policy's [N, W] log-probs and [N, W, V] tempered logits on each row's completion window, the window's

@@ -309,6 +309,8 @@ class PendingRollouts:
   """A dispatched decode program (`Sampler.start`): its device outputs, and what `result` needs to make `Rollouts`."""
 
   outputs: tuple[jax.Array, jax.Array, jax.Array]  # tokens, log-probs, lengths of the padded batch
+  # The prompts' tokens [batch, bucket] (right-padded) and lengths as prefilled: global arrays when process_local.
+  inputs: tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]
   prompts: list[list[int]]
   num_samples: int
   num_truncated_prompts: int
@@ -431,7 +433,7 @@ class Sampler:
     rng = jax.random.wrap_key_data(np.asarray(jax.random.key_data(rng)), impl=jax.random.key_impl(rng))
     with jax.set_mesh(self.mesh), nn_partitioning.axis_rules(self.config.logical_axis_rules):
       out = decode(params, *inputs, stops, rng)
-    return PendingRollouts(out, prompts, num_samples, num_truncated, set(stops.tolist()), process_local)
+    return PendingRollouts(out, inputs[:2], prompts, num_samples, num_truncated, set(stops.tolist()), process_local)
 
   def lower(
       self,
@@ -462,6 +464,20 @@ class Sampler:
           spec((1,), jnp.int32),
           spec((), key_dtype),
       )
+
+  def abstract_arrays(
+      self, batch: int, prompt_length: int, num_samples: int, max_new_tokens: int
+  ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The arrays a request like `lower`'s leaves in its `PendingRollouts`, shaped and sharded: the prompts' tokens
+    and lengths (`inputs`), then the completions' tokens and lengths (`outputs`); what scores rollouts where they
+    were sampled reads (`rl.reference_devices=sampler`)."""
+    batch, bucket = self._shape(batch, prompt_length)
+    rows = batch * num_samples
+    shapes = ((batch, bucket), (batch,), (rows, max_new_tokens), (rows,))
+    return tuple(
+        jax.ShapeDtypeStruct(s, jnp.int32, sharding=pipeline.batch_sharding(self.config, self.mesh, len(s)))
+        for s in shapes
+    )
 
   def on_mesh(self, params: nnx.State, copy: bool = False) -> nnx.State:
     """The params on this sampler's shardings: as they are when already there (unless `copy`), else one
