@@ -160,6 +160,10 @@ if wanted peers; then
   XLA_FLAGS=--xla_force_host_platform_device_count=2 run peers_tiny_split_tunix_async "$PEERS" -m benchmarks.peers \
     --repeats=7 --output=peers_tiny_split_tunix_async.json rl.off_policy_steps=1 --tunix_devices=1 \
     --tunix_rollout_devices=1
+  # Ours with its reference on the sampler's device too (rl.reference_devices=sampler), Tunix synchronous on one.
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 run peers_tiny_split_reference "$PEERS" -m benchmarks.peers \
+    --repeats=7 --output=peers_tiny_split_reference.json rl.off_policy_steps=1 rl.reference_devices=sampler \
+    --tunix_devices=1
   # The peers' tiny GRPO step with one device for the trainer and one for the sampler, ours alone.
   XLA_FLAGS=--xla_force_host_platform_device_count=2 run rollouts_ahead_tiny "$PY" -m benchmarks.rollouts_ahead \
     --repeats=3 --output=rollouts_ahead_tiny.json base_emb_dim=256 base_num_query_heads=4 base_num_kv_heads=4 \
