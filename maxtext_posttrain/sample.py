@@ -8,7 +8,8 @@ tokenizer), `load_parameters_path` (params of an orbax checkpoint; random weight
 `decode_sampling_strategy` / `_temperature` / `_top_k` / `_nucleus_p`, and the decode budget
 `max_target_length - max_prefill_predict_length`. Two arguments are this command's own, because MaxText's config
 has no per-prompt sample count (its `rl.num_generations` exists only in its RL config, `multi_sampling` is a switch)
-and no sampling seed: `num_samples=N` (default 1) and `seed=S` (default 0). Prints one JSON line per sample.
+and no sampling seed: `num_samples=N` (default 1) and `seed=S` (default 0). With `rl.tools` the policy calls them
+as it does in RL rollouts (`rollout.tools`). Prints one JSON line per sample (with tools, its answered calls too).
 """
 
 import json
@@ -23,6 +24,7 @@ from maxtext_posttrain import mesh as mesh_lib
 from maxtext_posttrain import rollout
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.peft import lora
+from maxtext_posttrain.rollout import tools as tools_lib
 
 _OWN_ARGS = {"num_samples": 1, "seed": 0}
 
@@ -45,7 +47,7 @@ def main(argv: Sequence[str]) -> None:
   mesh = mesh_lib.make_mesh(config)
   model = lora.pretrained_model(config, mesh)  # load_parameters_path, and lora.lora_restore_path's adapters
   encoder = pipeline.Encoder.from_config(config)
-  sampler = rollout.Sampler(config, mesh)
+  sampler = tools_lib.with_tools(rollout.Sampler(config, mesh), config, encoder)
   eos_id = encoder.tokenizer.eos_id
   rollouts = sampler.sample(
       lora.policy_params(model, config),
@@ -53,6 +55,7 @@ def main(argv: Sequence[str]) -> None:
       posttrain_config.max_new_tokens(config),
       eos_id,
       jax.random.key(own["seed"]),
+      rollout.SamplingParams.from_config(config),
       num_samples=own["num_samples"],
   )
   for i, tokens in enumerate(rollouts.completions()):
@@ -63,6 +66,8 @@ def main(argv: Sequence[str]) -> None:
         "finish_reason": rollouts.finish_reasons[i],
         "logprob": float(rollouts.logprobs[i].sum()),
     }
+    if rollouts.tool_calls is not None:
+      row["tool_calls"] = int(rollouts.tool_calls[i])
     print(json.dumps(row), flush=True)
 
 

@@ -202,11 +202,11 @@ def test_user_reward_loads_by_module_and_function(user_rewards):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("corectness", "Unknown reward 'corectness'"),
+        ("corectness", "Reward 'corectness': expected one of ['correctness', 'format', 'partial']"),
         ("no_such_module:length", "cannot import module 'no_such_module'"),
         ("my_rewards:missing", "has no attribute 'missing'"),
         ("my_rewards:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is not callable (int)"),
-        ("my_rewards:", "Unknown reward"),
+        ("my_rewards:", "Reward 'my_rewards:': expected one of"),
     ],
 )
 def test_bad_spec_is_named(user_rewards, spec, message):

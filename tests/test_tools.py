@@ -1,6 +1,7 @@
 """Tools during sampling: the calculator's answers, sampling in turns, the tool's tokens masked out of training and
 the sampled ones scored in their whole context."""
 
+import json
 import re
 
 import jax
@@ -11,6 +12,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import sample
 from maxtext_posttrain import trainer
 from maxtext_posttrain.data import arithmetic
 from maxtext_posttrain.data import pipeline
@@ -65,8 +67,8 @@ def test_answers_follow_a_call_as_the_data_tokenizes_them(make_config):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("rl.tools=[abacus]",), "unknown tool 'abacus'"),
-        (("rl.tools=[tests.tools_for_tests:nothing]",), "cannot load tool"),
+        (("rl.tools=[abacus]",), r"rl.tools: tool 'abacus': expected one of \['calculator'\] or 'package.module:name'"),
+        (("rl.tools=[tests.tools_for_tests:nothing]",), "module 'tests.tools_for_tests' has no attribute 'nothing'"),
         (("rl.tools=[tests.run_utils:SHORT_TRAIN_SPLIT]",), "is no tool: it has no name, example_call, respond"),
         ((f"rl.tools=[calculator,{STEP_CALCULATOR},calculator]",), "calculator's calls end with the token calculator's"),
     ],
@@ -152,19 +154,52 @@ def test_turns_continue_the_decode_exactly(tool_loop):
 )
 def test_rl_trains_with_a_tool(make_config, sft_checkpoint, tmp_path, config_file, overrides):
   """GRPO sampling ahead (the first turn dispatched a step early, the later ones with the weights it read) and PPO
-  (its critic's GAE steps over the answers) train with the tool: every step's completions call it."""
+  (its critic's GAE steps over the answers) train with the tool: every step's completions call it. Sampling ahead, a
+  step finishes its own batch's later turns before it dispatches the next batch's first turn, which would otherwise
+  hold them up on the sampler's devices."""
   metrics_file = tmp_path / "metrics.jsonl"
   config = make_config(
       *RL, *overrides, f"rl.tools=[{STEP_CALCULATOR}]", f"load_parameters_path={sft_checkpoint}", "steps=3",
       "eval_interval=0", f"metrics_file={metrics_file}", config_file=config_file,
   )  # fmt: skip
-  run_utils.run(config)
+  loop = trainer.setup(config)
+  objective, events = loop.objective, []
+  dispatch, later_turns = objective._dispatch, objective.sampler(loop).followup  # pylint: disable=protected-access
+  sample_later = later_turns.sample
+
+  def first_turn(loop, indices, step, round_index, copy_params=False):
+    events.append(("first turn", step))
+    return dispatch(loop, indices, step, round_index, copy_params)
+
+  objective._dispatch = first_turn  # pylint: disable=protected-access
+  later_turns.sample = lambda *args, **kwargs: events.append(("later turn", None)) or sample_later(*args, **kwargs)
+  trainer.train(loop)
+  # Each batch's first turn, then its later turns (one or more), before the next batch's first turn.
+  collapsed = [event for i, event in enumerate(events) if i == 0 or event != events[i - 1]]
+  kinds = [kind for kind, _ in collapsed]
+  assert kinds and kinds == ["first turn", "later turn"] * (len(kinds) // 2), kinds
+  if overrides:
+    assert [step for kind, step in collapsed if kind == "first turn"] == [0, 1, 2]
   rows = run_utils.rows(metrics_file)
   assert sorted(rows) == [0, 1, 2]
   for row in rows.values():
     assert row["rl/tool_calls_mean"] >= 0.9 and np.isfinite(row["learning/loss"]), row
   if overrides:
     assert [rows[step]["rl/staleness"] for step in (0, 1, 2)] == [0.0, 1.0, 1.0]
+
+
+def test_the_sample_command_samples_with_the_tools(tool_loop, capsys):
+  """`python -m maxtext_posttrain.sample` with rl.tools: the samples call the tool as rollouts do, and each JSON line
+  counts its answered calls."""
+  config = tool_loop.config
+  prompts = tool_loop.objective.train_prompts
+  question = prompts.source[0][prompts.columns[0]]  # as a user types it; the command applies the prompt template
+  argv = ["", "grpo.yml", "run_name=tools_sample", f"base_output_directory={config.base_output_directory}"]
+  argv += [*RL, f"rl.tools=[{STEP_CALCULATOR}]", f"load_parameters_path={config.load_parameters_path}"]
+  sample.main([*argv, f"prompt={question}", "num_samples=2", "seed=1"])
+  samples = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert [s["sample"] for s in samples] == [0, 1]
+  assert all(s["tool_calls"] >= 1 and s["num_tokens"] > 0 for s in samples), samples
 
 
 def test_the_calculator_set_is_the_hard_set_annotated_as_the_calculator_answers():

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 import atexit
 import ctypes
 import functools
-import importlib
 import multiprocessing
 from multiprocessing import connection as mp_connection
 import os
@@ -31,6 +30,7 @@ import traceback
 
 import numpy as np
 
+from maxtext_posttrain import user_code
 from maxtext_posttrain.rewards import math
 
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
@@ -88,18 +88,12 @@ def load(spec: str) -> RewardFn:
   """The reward function `spec` names: a built-in (see BUILTINS) or `package.module:function` on the Python path."""
   if spec in BUILTINS:
     return BUILTINS[spec]
-  module_name, colon, attribute = spec.partition(":")
-  if not (colon and module_name and attribute):
-    raise RewardSpecError(f"Unknown reward {spec!r}: expected one of {sorted(BUILTINS)} or 'package.module:function'.")
   try:
-    module = importlib.import_module(module_name)
-  except ImportError as error:
-    raise RewardSpecError(f"Reward {spec!r}: cannot import module {module_name!r}: {error}") from error
-  if not hasattr(module, attribute):
-    raise RewardSpecError(f"Reward {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
-  function = getattr(module, attribute)
+    function = user_code.resolve(spec, f"one of {sorted(BUILTINS)} or 'package.module:function'")
+  except user_code.NotFound as error:
+    raise RewardSpecError(f"Reward {spec!r}: {error}.") from error
   if not callable(function):
-    raise RewardSpecError(f"Reward {spec!r}: {attribute!r} is not callable ({type(function).__name__}).")
+    raise RewardSpecError(f"Reward {spec!r}: {spec.partition(':')[2]!r} is not callable ({type(function).__name__}).")
   return function
 
 

@@ -26,7 +26,6 @@ rows (evaluation), each decides the turns on its own.
 
 import ast
 import dataclasses
-import importlib
 import operator
 import re
 from typing import ClassVar, Protocol
@@ -36,6 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from maxtext_posttrain import config as config_lib
+from maxtext_posttrain import user_code
 from maxtext_posttrain.data import pipeline
 from maxtext_posttrain.rollout import sampler as sampler_lib
 
@@ -125,13 +125,10 @@ def load(spec: str) -> Tool:
   arguments; ConfigError naming the spec otherwise."""
   if spec in BUILTINS:
     return BUILTINS[spec]()
-  module_name, colon, attribute = spec.partition(":")
-  if not (colon and module_name and attribute):
-    raise config_lib.ConfigError(f"rl.tools: unknown tool {spec!r}; expected one of {sorted(BUILTINS)} or 'module:name'.")
   try:
-    found = getattr(importlib.import_module(module_name), attribute)
-  except (ImportError, AttributeError) as error:
-    raise config_lib.ConfigError(f"rl.tools: cannot load tool {spec!r}: {error}") from error
+    found = user_code.resolve(spec, f"one of {sorted(BUILTINS)} or 'package.module:name'")
+  except user_code.NotFound as error:
+    raise config_lib.ConfigError(f"rl.tools: tool {spec!r}: {error}.") from error
   tool = found() if isinstance(found, type) else found
   missing = [name for name in ("name", "example_call", "respond") if not hasattr(tool, name)]
   if missing:
