@@ -143,6 +143,11 @@ class RL(types.RL):
   max_tool_calls: int = Field(
       8, ge=0, description="rl.tools: stops at a call per completion, answered or not; later calls get no answer."
   )
+  tool_on_error: Literal["raise", "skip"] = Field(
+      "raise",
+      description="rl.tools: a tool whose respond raises: stop the run naming the tool, the row and the completion "
+      "(raise), or leave that call unanswered and count it in rl/tool_errors (skip).",
+  )
   reference_devices: Literal["trainer", "sampler"] = Field(
       "trainer",
       description="Where the frozen reference (rl.grpo_beta > 0) lives and scores rollouts (GRPO family, PPO). "

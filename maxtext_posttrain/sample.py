@@ -9,7 +9,8 @@ tokenizer), `load_parameters_path` (params of an orbax checkpoint; random weight
 `max_target_length - max_prefill_predict_length`. Two arguments are this command's own, because MaxText's config
 has no per-prompt sample count (its `rl.num_generations` exists only in its RL config, `multi_sampling` is a switch)
 and no sampling seed: `num_samples=N` (default 1) and `seed=S` (default 0). With `rl.tools` the policy calls them
-as it does in RL rollouts (`rollout.tools`). Prints one JSON line per sample (with tools, its answered calls too).
+as it does in RL rollouts (`rollout.tools`). Prints one JSON line per sample (with tools: its answered calls, and
+the calls whose tool raised under `rl.tool_on_error=skip`).
 """
 
 import json
@@ -67,7 +68,7 @@ def main(argv: Sequence[str]) -> None:
         "logprob": float(rollouts.logprobs[i].sum()),
     }
     if rollouts.tool_calls is not None:
-      row["tool_calls"] = int(rollouts.tool_calls[i])
+      row |= {"tool_calls": int(rollouts.tool_calls[i]), "tool_errors": int(rollouts.tool_errors[i])}
     print(json.dumps(row), flush=True)
 
 

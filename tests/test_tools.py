@@ -145,6 +145,23 @@ def test_turns_continue_the_decode_exactly(tool_loop):
   assert in_turns.sampled.sum() == plain.lengths.sum() and not in_turns.tool_calls.any()
 
 
+def test_a_tool_that_raises_stops_sampling_or_goes_unanswered_and_counted(tool_loop):
+  """rl.tool_on_error=raise (the default): a tool that raises stops sampling with a ToolError naming the tool, the row
+  and the completion. skip: its calls go unanswered and are counted per row, and the rows decode on exactly as one
+  uninterrupted decode does."""
+  loop = tool_loop
+  encoder = loop.objective.encoder
+  prompts = [list(loop.objective.train_prompts.prompt_ids[i]) for i in range(4)]
+  args = (loop.policy_params(), prompts, 32, encoder.tokenizer.eos_id, jax.random.key(3), SamplingParams(temperature=0.7))
+  failing = [tools_for_tests.Fails()]
+  with pytest.raises(tools.ToolError, match=r"Tool 'fails' on row 0: ValueError: cannot answer '.*'; completion: '"):
+    tools.ToolUse(loop.sampler(), failing, encoder, max_calls=1).sample(*args, num_samples=2)
+  skipped = tools.ToolUse(loop.sampler(), failing, encoder, max_calls=1, on_error="skip").sample(*args, num_samples=2)
+  plain = loop.sampler().sample(*args, num_samples=2)
+  assert skipped.completions() == plain.completions()
+  assert skipped.tool_errors.tolist() == [1] * 8 and not skipped.tool_calls.any()  # every row stops at a call once
+
+
 @pytest.mark.parametrize(
     "config_file, overrides",
     [
@@ -183,7 +200,7 @@ def test_rl_trains_with_a_tool(make_config, sft_checkpoint, tmp_path, config_fil
   rows = run_utils.rows(metrics_file)
   assert sorted(rows) == [0, 1, 2]
   for row in rows.values():
-    assert row["rl/tool_calls_mean"] >= 0.9 and np.isfinite(row["learning/loss"]), row
+    assert row["rl/tool_calls_mean"] >= 0.9 and row["rl/tool_errors"] == 0 and np.isfinite(row["learning/loss"]), row
   if overrides:
     assert [rows[step]["rl/staleness"] for step in (0, 1, 2)] == [0.0, 1.0, 1.0]
 

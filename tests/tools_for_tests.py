@@ -31,3 +31,13 @@ class Silent(StepCalculator):
   def respond(self, text: str) -> str | None:
     del text
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fails(StepCalculator):
+  """Stops where the step calculator stops and raises."""
+
+  name: str = "fails"
+
+  def respond(self, text: str) -> str | None:
+    raise ValueError(f"cannot answer {text[-8:]!r}")

@@ -513,8 +513,9 @@ class RLObjective(Objective):
           "rl/truncated_fraction": float(np.mean(truncated)),
       }
       if out.tool_calls is not None:
-        calls = gathered(out.tool_calls.astype(np.float32))
+        calls, errors = gathered(np.stack([out.tool_calls, out.tool_errors], axis=1).astype(np.float32)).T
         metrics |= {"rl/tool_calls_mean": float(calls.mean()), "rl/tool_calls_max": float(calls.max())}
+        metrics["rl/tool_errors"] = float(errors.sum())
     scores = per_function | {config_lib.REWARD_SUM: total}
     sampled = None if out.sampled is None else list(out.sampled)
     reference = None

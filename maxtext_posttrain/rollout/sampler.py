@@ -286,6 +286,7 @@ class Rollouts:
     sampled: with tools (`rollout.tools`), [rows, max_new_tokens] int8: 1 where the policy sampled the token, 0 where
       a tool's answer was inserted (and after the end); None when the policy sampled every token.
     tool_calls: with tools, [rows] the calls each row made that a tool answered.
+    tool_errors: with tools, [rows] the calls each row made whose tool raised, left unanswered (`rl.tool_on_error`).
   """
 
   prompts: list[list[int]]
@@ -298,6 +299,7 @@ class Rollouts:
   pad_id: int = _PAD_ID
   sampled: np.ndarray | None = None
   tool_calls: np.ndarray | None = None
+  tool_errors: np.ndarray | None = None
 
   def completions(self) -> list[list[int]]:
     """The completion tokens per row, without padding."""

@@ -117,7 +117,8 @@ _EXCERPT_CHARS = 200
 
 
 class ToolError(RuntimeError):
-  """A tool's `respond` raised: the run stops naming the tool, the row and the completion it was given."""
+  """A tool's `respond` raised (under `rl.tool_on_error=raise`): the run stops naming the tool, the row and the
+  completion it was given."""
 
 
 def load(spec: str) -> Tool:
@@ -176,16 +177,25 @@ def with_tools(sampler: sampler_lib.Sampler, config, encoder: pipeline.Encoder) 
   """`sampler`, or with `rl.tools` set, sampling in turns with those tools through it."""
   if not config.rl.tools:
     return sampler
-  return ToolUse(sampler, [load(spec) for spec in config.rl.tools], encoder, config.rl.max_tool_calls)
+  tools = [load(spec) for spec in config.rl.tools]
+  return ToolUse(sampler, tools, encoder, config.rl.max_tool_calls, config.rl.tool_on_error)
 
 
 class ToolUse:
   """Sampling with tools in turns (module docstring), on the rollout sampler's mesh."""
 
-  def __init__(self, sampler: sampler_lib.Sampler, tools: list[Tool], encoder: pipeline.Encoder, max_calls: int):
+  def __init__(
+      self,
+      sampler: sampler_lib.Sampler,
+      tools: list[Tool],
+      encoder: pipeline.Encoder,
+      max_calls: int,
+      on_error: str = "raise",
+  ):
     self.sampler = sampler
     self.encoder = encoder
     self.max_calls = max_calls
+    self.on_error = on_error  # rl.tool_on_error
     self.stops = stop_tokens(tools, encoder)
     self.budget = config_lib.max_new_tokens(sampler.config)
     self.followup = sampler_lib.Sampler(followup_config(sampler.config), sampler.mesh)
@@ -254,11 +264,12 @@ class PendingToolRollouts:
     tokens = [out.tokens[r, : out.lengths[r]].tolist() for r in range(rows)]
     logprobs = [out.logprobs[r, : out.lengths[r]].tolist() for r in range(rows)]
     sampled = [[1] * len(t) for t in tokens]
-    stops, calls = np.zeros(rows, np.int32), np.zeros(rows, np.int32)  # turns ended at a stop token; answered ones
+    # Per row: turns ended at a stop token; calls answered; calls whose tool raised (rl.tool_on_error=skip).
+    stops, calls, errors = (np.zeros(rows, np.int32) for _ in range(3))
     turn_keys = jax.random.split(self.rng)[1]
     stopping = use.max_calls > 0  # whether the turn just decoded stopped at the tools' stop tokens
     for turn in range(1, use.max_calls + 2):
-      active = [stopping and self._answer(r, tokens, logprobs, sampled, stops, calls) for r in range(rows)]
+      active = [stopping and self._answer(r, tokens, logprobs, sampled, stops, calls, errors) for r in range(rows)]
       # The most tokens a row has left, and whether some row may still have a call answered (then the turn stops at
       # the tools' tokens; else it samples to the end), over every process.
       left, stopping = self._gathered_max(
@@ -295,6 +306,7 @@ class PendingToolRollouts:
         num_samples=out.num_samples,
         sampled=grid(sampled, np.int8),
         tool_calls=calls,
+        tool_errors=errors,
     )
 
   def _answer(
@@ -305,6 +317,7 @@ class PendingToolRollouts:
       sampled: list[list[int]],
       stops: np.ndarray,
       calls: np.ndarray,
+      errors: np.ndarray,
   ) -> bool:
     """Counts row r's stop if it ended its turn at a tool's stop token and appends the tool's answer (none past
     rl.max_tool_calls stops); whether the row decodes again (it stopped there with budget left)."""
@@ -318,11 +331,15 @@ class PendingToolRollouts:
     text = use.encoder.decode_completion(tokens[r])
     try:
       answer = tool.respond(text)
-    except Exception as error:  # a user's tool: any failure stops the run, naming it
-      excerpt = text if len(text) <= _EXCERPT_CHARS else "... " + text[-_EXCERPT_CHARS:]
-      raise ToolError(
-          f"Tool {tool.name!r} on row {r}: {type(error).__name__}: {error}; completion: {excerpt!r}"
-      ) from error
+    except Exception as error:  # a user's tool: any failure stops the run, naming it, or is counted
+      if use.on_error == "skip":
+        answer, errors[r] = None, errors[r] + 1
+      else:
+        excerpt = text if len(text) <= _EXCERPT_CHARS else "... " + text[-_EXCERPT_CHARS:]
+        raise ToolError(
+            f"Tool {tool.name!r} on row {r}: {type(error).__name__}: {error}; completion: {excerpt!r} "
+            "(rl.tool_on_error=skip leaves such calls unanswered and counts them)"
+        ) from error
     if answer is not None:
       ids = answer_ids(use.encoder, tool, answer)[: budget - len(tokens[r])]
       tokens[r] += ids
