@@ -80,8 +80,8 @@ can also overlap its rollouts with training, on a mesh of their own:
   to the sampler's devices (MaxText's `trainer_devices_fraction` / `sampler_devices_fraction`: halves by default; 1
   and 1 share all devices), then trains while they decode; the step trains on rollouts one update old (the importance
   ratio corrects for it; `rl/rollout_seconds` is then the wait). With `rl.reference_devices=sampler` the reference
-  scores each rollout batch on the sampler's devices right behind its decode program; its time is then part of the
-  rollout wait, and the reference row reads 0.
+  scores each rollout batch on the sampler's devices right behind its decode program, and the reference row is the
+  step's wait for its log-probs after the rollouts (`rl/reference_seconds`).
 - Tunix with `--tunix_rollout_devices=M`: its rollout runs on the last M devices, its actor and reference on the first
   `--tunix_devices` (default: all the others). Its learner then prepares rollouts on a thread of its own while the
   actor trains, but only between the micro-batches of one global step (one here, so nothing overlaps:

@@ -13,8 +13,8 @@ programs lowered from `jax.ShapeDtypeStruct`s; `compiled.memory_analysis()`):
   objective has held-out batches, on the batch shapes the objective declares (`Objective.batch_spec`); a frozen
   role read inside the step (a teacher) is part of these programs;
 - the frozen roles' forwards that the objective's host hooks run: the reference's log-probs (DPO, GRPO and PPO with
-  a KL term), a reward model's scores, PPO's critic values, the old policy's log-probs under
-  `rl.use_rollout_logps=false`;
+  a KL term; on the decode program's arrays under `rl.reference_devices=sampler`), a reward model's scores, PPO's
+  critic values, the old policy's log-probs under `rl.use_rollout_logps=false`;
 - the rollout sampler's program (the prefill and the KV-cache decode loop are one program) for the largest prompt
   bucket, and the decode programs of the periodic evaluation.
 

@@ -133,15 +133,16 @@ def test_device_rows_are_the_training_rows_of_a_decode_programs_arrays():
   padded completions, the rows `training_rows` builds on the host: the reference scores the same rows either way."""
   rng = np.random.default_rng(0)
   bucket, new_tokens, length = 8, 6, 14
-  prompt_lengths = np.array([1, 8, 3, 5, 2], np.int32)
-  lengths = np.array([6, 1, 4, 6, 3], np.int32)
-  prompt_tokens = np.zeros((5, bucket), np.int32)
-  tokens = np.zeros((5, new_tokens), np.int32)
-  for row in range(5):
+  # A prompt and a completion that fill the row; a 1-token completion; a batch-padding row (one token each); others.
+  prompt_lengths = np.array([8, 8, 3, 5, 1, 2], np.int32)
+  lengths = np.array([6, 1, 4, 6, 1, 3], np.int32)
+  prompt_tokens = np.zeros((6, bucket), np.int32)
+  tokens = np.zeros((6, new_tokens), np.int32)
+  for row in range(6):
     prompt_tokens[row, : prompt_lengths[row]] = rng.integers(1, 100, prompt_lengths[row])
     tokens[row, : lengths[row]] = rng.integers(1, 100, lengths[row])
-  prompts = [list(prompt_tokens[r, : prompt_lengths[r]]) for r in range(5)]
-  completions = [list(tokens[r, : lengths[r]]) for r in range(5)]
+  prompts = [list(prompt_tokens[r, : prompt_lengths[r]]) for r in range(6)]
+  completions = [list(tokens[r, : lengths[r]]) for r in range(6)]
   host = rl_base.training_rows(prompts, completions, None, length, window=new_tokens)
   device = jax.jit(rl_base.device_rows, static_argnums=4)(prompt_tokens, prompt_lengths, tokens, lengths, length)
   assert set(device) == set(host)
@@ -195,7 +196,7 @@ def test_dynamic_sampling_over_processes_chooses_the_batch_one_process_would(mon
   monkeypatch.setattr(jax, "process_index", lambda: local.process)
   monkeypatch.setattr(grpo, "gathered", gathered)
   objective = object.__new__(grpo.GRPO)
-  objective.rl = types.SimpleNamespace(dynamic_sampling=True, num_generations=2)
+  objective.rl = types.SimpleNamespace(dynamic_sampling=True, num_generations=2, reference_devices="trainer")
   objective.config, objective.max_new_tokens = types.SimpleNamespace(max_prefill_predict_length=4), 3
   total, moved = processes * prompts, 0
   for seed in range(40):
@@ -251,11 +252,16 @@ def test_groups_travel_between_processes_as_they_were_sampled():
       make(7, [1, 5, 9], [[3, 4], [6]], logprobs[:2], np.array([1.0, 0.0]), np.array([1.0, 2.0]), sampled),
       make(2, [1], [[], [8, 8, 8]], logprobs[2:], np.array([0.5, 0.5]), np.array([0.0, 0.5])),  # sampled: all
   ]
-  groups[0].reference = [np.float32([-0.75, -2.0]), np.float32([-0.5])]  # rl.reference_devices=sampler's
-  packed = grpo._pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3)  # pylint: disable=protected-access
+  # The reference's log-probs (rl.reference_devices=sampler) travel when asked for.
+  groups[0].reference = [np.float32([-0.75, -2.0]), np.float32([-0.5])]
+  groups[1].reference = [np.float32([]), np.float32([-1.5, -0.5, -0.25])]
+  pack, unpack = grpo._pack, grpo._unpack  # pylint: disable=protected-access
+  without = pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3)
+  assert "reference" not in without and unpack({key: value[0] for key, value in without.items()}).reference is None
+  packed = pack(groups, 3, group_size=2, prompt_width=4, new_tokens=3, reference=True)
   assert {value.shape[0] for value in packed.values()} == {3}
   for i, group in enumerate(groups):
-    got = grpo._unpack({key: value[i] for key, value in packed.items()})  # pylint: disable=protected-access
+    got = unpack({key: value[i] for key, value in packed.items()})
     assert (got.index, got.prompt, got.completions) == (group.index, group.prompt, group.completions)
     for got_row, want_row in zip(got.logprobs, group.logprobs, strict=True):
       np.testing.assert_array_equal(got_row, want_row)
@@ -263,8 +269,8 @@ def test_groups_travel_between_processes_as_they_were_sampled():
     np.testing.assert_array_equal(got.filter_scores, group.filter_scores)
     for got_row, completion, want_row in zip(got.sampled, group.completions, group.sampled or [None] * 2, strict=True):
       np.testing.assert_array_equal(got_row, np.ones(len(completion)) if want_row is None else want_row)
-    for got_row, completion, want_row in zip(got.reference, group.completions, group.reference or [None] * 2):
-      np.testing.assert_array_equal(got_row, np.zeros(len(completion)) if want_row is None else want_row)
+    for got_row, want_row in zip(got.reference, group.reference, strict=True):
+      np.testing.assert_array_equal(got_row, want_row)
 
 
 @pytest.mark.parametrize(
@@ -596,7 +602,7 @@ def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(
   for step in range(2):
     for key in ("rl/reward_mean", "learning/kl", "learning/loss", "learning/grad_norm"):
       assert rows["sampler"][step][key] == rows["trainer"][step][key], (step, key)
-  assert "rl/reference_seconds" in rows["trainer"][1] and "rl/reference_seconds" not in rows["sampler"][1]
+  assert rows["trainer"][1]["rl/reference_seconds"] > 0 and rows["sampler"][1]["rl/reference_seconds"] >= 0
 
 
 def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):

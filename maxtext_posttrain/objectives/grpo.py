@@ -10,10 +10,10 @@ per prompt with their log-probs; the rewards score them (plus DAPO's overlong sh
 dynamic sampling, groups whose rewards all agree (`rl.dynamic_sampling_metric`: the shaped reward, the sum before
 shaping, or one reward) are replaced by fresh prompts' groups for up to `rl.max_sampling_rounds` rounds (the batch
 chosen from every process's groups, as one process would choose: `GRPO._block`); with `rl.grpo_beta` > 0 the frozen
-reference scores the batch (`rl.reference_devices=sampler`: on the sampler's devices, as each rollout batch is decoded). Rows are prompt + completion, one per sample, with the sampler's log-probs as the old
-policy's. The jitted step then differentiates the clipped surrogate (`losses.policy_gradient`). With
-`rl.num_iterations` = mu > 1 the same rollout batch is trained on for mu steps (GRPO's inner iterations), the old
-log-probs fixed at sampling time.
+reference scores the batch (`rl.reference_devices=sampler`: on the sampler's devices, as each rollout batch is
+decoded). Rows are prompt + completion, one per sample, with the sampler's log-probs as the old policy's. The jitted
+step then differentiates the clipped surrogate (`losses.policy_gradient`). With `rl.num_iterations` = mu > 1 the same
+rollout batch is trained on for mu steps (GRPO's inner iterations), the old log-probs fixed at sampling time.
 """
 
 import dataclasses
@@ -194,7 +194,14 @@ class GRPO(RLObjective):
     sent = {owner: [q for q, o in moving if o == owner] for owner in range(jax.process_count())}
     width = max(len(slots) for slots in sent.values())
     config, group_size = self.config, self.rl.num_generations
-    packed = _pack([mine[q] for q in sent[me]], width, group_size, config.max_prefill_predict_length, self.max_new_tokens)
+    packed = _pack(
+        [mine[q] for q in sent[me]],
+        width,
+        group_size,
+        config.max_prefill_predict_length,
+        self.max_new_tokens,
+        reference=self.rl.reference_devices == "sampler",
+    )
     received = {key: gathered(value).reshape(-1, width, *value.shape[1:]) for key, value in packed.items()}
     here = {q for q, to in zip(chosen, destinations) if to == me}
     return {
@@ -265,15 +272,15 @@ def select(informative, num_prompts: int) -> tuple[list[int], int]:
   return kept + filler, len(filler)
 
 
-def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, new_tokens: int):
-  """`groups` as fixed-shape arrays of `width` groups (zeros past the last), for a collective."""
+def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, new_tokens: int, reference=False):
+  """`groups` as fixed-shape arrays of `width` groups (zeros past the last), for a collective; with their reference
+  log-probs when `reference` (rl.reference_devices=sampler: every group carries them)."""
   out = {
       "index": np.zeros((width,), np.int32),
       "prompt": np.zeros((width, prompt_width + 1), np.int32),  # the prompt's length, then its tokens
       "completions": np.zeros((width, group_size, new_tokens + 1), np.int32),  # likewise
       "logprobs": np.zeros((width, group_size, new_tokens), np.float32),
       "sampled": np.zeros((width, group_size, new_tokens), np.int8),  # 1 on sampled tokens (all without tools)
-      "reference": np.zeros((width, group_size, new_tokens), np.float32),  # rl.reference_devices=sampler's (or 0)
       "scores": np.zeros((width, 2, group_size), np.float32),  # rewards, filter scores
   }
   for i, group in enumerate(groups):
@@ -283,9 +290,12 @@ def _pack(groups: list[_Group], width: int, group_size: int, prompt_width: int, 
       out["completions"][i, j, : len(completion) + 1] = [len(completion), *completion]
       out["logprobs"][i, j, : len(completion)] = logprobs[: len(completion)]
       out["sampled"][i, j, : len(completion)] = 1 if group.sampled is None else group.sampled[j][: len(completion)]
-      if group.reference is not None:
-        out["reference"][i, j, : len(completion)] = group.reference[j][: len(completion)]
     out["scores"][i] = group.rewards, group.filter_scores
+  if reference:
+    out["reference"] = np.zeros((width, group_size, new_tokens), np.float32)
+    for i, group in enumerate(groups):
+      for j, completion in enumerate(group.completions):
+        out["reference"][i, j, : len(completion)] = group.reference[j][: len(completion)]
   return out
 
 
@@ -299,7 +309,7 @@ def _unpack(arrays: dict[str, np.ndarray]) -> _Group:
       completions=[[int(t) for t in row[1 : 1 + n]] for row, n in zip(completions, lengths)],
       logprobs=[row[:n] for row, n in zip(arrays["logprobs"], lengths)],
       sampled=[row[:n] for row, n in zip(arrays["sampled"], lengths)],
-      reference=[row[:n] for row, n in zip(arrays["reference"], lengths)],
+      reference=[row[:n] for row, n in zip(arrays["reference"], lengths)] if "reference" in arrays else None,
       rewards=arrays["scores"][0],
       filter_scores=arrays["scores"][1],
   )

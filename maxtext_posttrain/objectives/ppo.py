@@ -6,18 +6,17 @@ its own config from `critic_overrides`, optimizer, schedule and checkpoints in `
 `grpo_beta` the KL coefficient, `grpo_epsilon`/`epsilon_high` the ratio clip, `kl_estimator`, `rewards`); `ppo.*`
 adds GAE, minibatches, the value clip, the entropy bonus, the adaptive KL controller and critic warm-up.
 
-A rollout, on the host (`before_step`): the run's sampler draws completions with their log-probs; the reward
-functions (and/or a frozen reward model, `rl.rewards=[reward_model]`) score each completion; the frozen reference
-scores its tokens (when `rl.grpo_beta` > 0; `rl.reference_devices=sampler`: on the sampler's devices, as the rollout
-batch is decoded); the critic reads a value for every completion token, the value of the
-token at row column j being the critic's output at column j, i.e. after reading the tokens up to the one *before*
-it (rows hold the whole sequence in `inputs` and the next tokens in `targets`). Per-token rewards are the KL
-penalty plus the score on the last token (`ppo.kl_penalty=reward`), GAE turns them into advantages and returns,
-and advantages are whitened over the batch. The rollout batch is then trained on for `rl.num_iterations` epochs of
-`ppo.num_minibatches` shuffled minibatches (one permutation of the whole batch's rows per epoch, so that several
-processes train on the minibatches one process would); each minibatch is one loop step, in which the policy takes a
-step on the clipped surrogate (`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value
-loss.
+A rollout, on the host (`before_step`): the run's sampler draws completions with their log-probs; the reward functions
+(and/or a frozen reward model, `rl.rewards=[reward_model]`) score each completion; the frozen reference scores its
+tokens (when `rl.grpo_beta` > 0; `rl.reference_devices=sampler`: on the sampler's devices, as the rollout batch is
+decoded); the critic reads a value for every completion token, the value of the token at row column j being the
+critic's output at column j, i.e. after reading the tokens up to the one *before* it (rows hold the whole sequence in
+`inputs` and the next tokens in `targets`). Per-token rewards are the KL penalty plus the score on the last token
+(`ppo.kl_penalty=reward`), GAE turns them into advantages and returns, and advantages are whitened over the batch. The
+rollout batch is then trained on for `rl.num_iterations` epochs of `ppo.num_minibatches` shuffled minibatches (one
+permutation of the whole batch's rows per epoch, so that several processes train on the minibatches one process
+would); each minibatch is one loop step, in which the policy takes a step on the clipped surrogate
+(`losses.policy_gradient`, the same code as GRPO) and the critic one on the clipped value loss.
 """
 
 import time
@@ -258,7 +257,7 @@ class PPO(RLObjective):
     if not self.rl.use_rollout_logps:  # MaxText's re-forward path: the policy scores its rollouts
       device["old_logps"] = loop.trained[roles.POLICY].run(self.target_logps, device, temperature)
     reference_logps = device.pop(REFERENCE_KEY, device["old_logps"])  # scored with the rollouts (sampler), or:
-    if self.use_reference and out.reference is None:
+    if self.use_reference and self.rl.reference_devices == "trainer":
       start = time.perf_counter()
       reference_logps = jax.block_until_ready(loop.role("reference").run(self.target_logps, device, temperature))
       metrics["rl/reference_seconds"] = time.perf_counter() - start

@@ -19,10 +19,11 @@ weights, what the uninterrupted run sampled (the first step after a checkpoint s
 
 Where the reference scores rollouts (`rl.reference_devices`): on the trainer's devices, on the training rows before
 the step (MaxText's RL), or on the sampler's, where it is built: each rollout batch's reference forward is dispatched
-right behind its decode program, on the program's own arrays (`device_rows` builds the rows `training_rows` would, so
-the log-probs are the same), and comes back with the rollouts. Sampling ahead on devices of its own, the sampler's
-devices then run the next batch's decode and reference while the trainer's run the train step; the trainer's devices
-neither hold nor run the reference.
+right behind its decode program, on the program's own arrays (`device_rows` builds the rows `training_rows` would: the
+same log-probs, bit for bit on one device, up to float32 rounding across meshes), and comes back with the rollouts
+(every round's batch under dynamic sampling, where the trainer's scores the chosen batch once). Sampling ahead on
+devices of its own (a one-process job), the sampler's devices then run the next batch's decode and reference while
+the trainer's run the train step, and the trainer's devices neither hold nor run the reference.
 
 A rollout batch trained on over several steps (`rl.num_iterations`, PPO's `ppo.num_minibatches`) is usually
 part-way through at a checkpoint: MaxText saves after steps 0, `checkpoint_period`, ..., each the first step of a
@@ -466,21 +467,30 @@ class RLObjective(Objective):
     )
     reference = None
     if self.rl.reference_devices == "sampler":  # queued behind the decode program on the sampler's devices
-      tokens, _, lengths = pending.outputs
+      (prompt_tokens, prompt_lengths), (tokens, _, lengths) = pending.inputs, pending.outputs
+      # The prompts padded from their bucket to the longest, so that one program serves every bucket.
+      bucket = prompt_tokens.shape[1]
+      prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (0, self.config.max_prefill_predict_length - bucket)))
       temperature = np.float32(self.sampling.temperature)
-      reference = loop.role(roles.REFERENCE).run(self.rollout_logps, *pending.inputs, tokens, lengths, temperature)
+      args = (prompt_tokens, prompt_lengths, tokens, lengths, temperature)
+      reference = loop.role(roles.REFERENCE).run(self.rollout_logps, *args)
     return _Dispatched(indices, pending, loop.step, started, reference)
 
   def _score(self, loop, dispatched: _Dispatched, metrics: dict | None, waiting: float | None = None) -> Rollouts:
     """Waits for dispatched rollouts and scores them here, each row once, on the process that owns it; adds the whole
     batch's rollout statistics to `metrics` (if given): `rl/rollout_seconds` is the time this step spent on them
-    (sampling, or only waiting, since `waiting`, when they were sampled ahead) and `rl/staleness` the policy updates
-    between the weights that sampled them and the weights they train."""
+    (sampling, or only waiting, since `waiting`, when they were sampled ahead), `rl/reference_seconds` (with
+    rl.reference_devices=sampler) how long it then waited for the reference's log-probs, and `rl/staleness` the
+    policy updates between the weights that sampled them and the weights they train."""
     rl, prompt_set, indices = self.rl, self.train_prompts, dispatched.indices
     num_samples = rl.num_generations
     start = dispatched.started if dispatched.params_step == loop.step else (waiting or time.perf_counter())
     out = dispatched.pending.result()
-    rollout_seconds = time.perf_counter() - start
+    rollout_seconds, start = time.perf_counter() - start, time.perf_counter()
+    reference = None
+    if dispatched.reference is not None:  # rl.reference_devices=sampler: the reference, run behind the decode
+      reference = list(pipeline.local_rows(dispatched.reference)[: len(out.prompts)])
+    reference_seconds = time.perf_counter() - start
     completions = out.completions()
     texts = [self.encoder.decode_completion(c) for c in completions]
     start = time.perf_counter()
@@ -503,6 +513,8 @@ class RLObjective(Objective):
       for name, scores in zip(per_function, columns.T):
         metrics |= {f"rl/rewards/{name}": float(np.mean(scores)), f"rl/rewards/{name}_std": float(np.std(scores))}
       penalty, lengths, truncated = columns.T[-3:]
+      if reference is not None:
+        metrics["rl/reference_seconds"] = reference_seconds
       metrics |= {
           "rl/rollout_seconds": rollout_seconds,
           "rl/staleness": float(loop.step - dispatched.params_step),
@@ -518,9 +530,6 @@ class RLObjective(Objective):
         metrics["rl/tool_errors"] = float(errors.sum())
     scores = per_function | {config_lib.REWARD_SUM: total}
     sampled = None if out.sampled is None else list(out.sampled)
-    reference = None
-    if dispatched.reference is not None:
-      reference = list(pipeline.local_rows(dispatched.reference)[: len(completions)])
     return Rollouts(
         indices, out.prompts, completions, list(out.logprobs), np.asarray(out.lengths), shaped, scores, sampled, reference
     )
@@ -566,7 +575,8 @@ class RLObjective(Objective):
     index = completion_index(batch, self.max_new_tokens)
     logps = token_logps(model, batch, temperature, self.num_pieces, logit_index=index)[0]
     logps = jnp.where(jnp.arange(logps.shape[1])[None, :] < lengths[:, None], logps, 0.0)
-    return nn_partitioning.with_sharding_constraint(logps, tuple(self.config.input_data_sharding_logical_axes))
+    # Split over the batch only, as the decode program's outputs are (`local_rows` takes this process's rows).
+    return nn_partitioning.with_sharding_constraint(logps, (self.config.input_data_sharding_logical_axes[0], None))
 
   def policy_window(self, model, batch: dict[str, jax.Array], is_train: bool):
     """(the policy's [N, W] log-probs and [N, W, V] tempered logits on each row's completion window, the window's
