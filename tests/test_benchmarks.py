@@ -71,10 +71,12 @@ def test_grpo_vs_pretrain_splits_the_step_into_rollout_reference_and_train(tmp_p
 
 
 def test_rollouts_ahead_times_both_ways_on_a_split_of_four_devices(tmp_path, tfds_dir):
-  """On 4 fake devices the trainer and the sampler get 2 each; both ways of stepping are timed, and one device is
-  refused in one line."""
+  """On 4 fake devices the trainer and the sampler get 2 each, the reference the sampler's 2
+  (rl.reference_devices=sampler, dispatched from a step that runs under the trainer's mesh); both ways of stepping
+  are timed, and one device is refused in one line."""
   output = tmp_path / "ahead.json"
   tiny = ["base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=1", "max_target_length=160"]
+  tiny += ["rl.grpo_beta=0.04", "rl.reference_devices=sampler"]
   env = dict(os.environ, XLA_FLAGS=run_utils.xla_flags(4), PYTHONPATH=str(paths.REPO))
   command = [sys.executable, "-m", "benchmarks.rollouts_ahead", "--repeats=1", "--block=3", f"--output={output}"]
   completed = subprocess.run(

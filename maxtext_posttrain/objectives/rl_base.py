@@ -468,12 +468,12 @@ class RLObjective(Objective):
     reference = None
     if self.rl.reference_devices == "sampler":  # queued behind the decode program on the sampler's devices
       (prompt_tokens, prompt_lengths), (tokens, _, lengths) = pending.inputs, pending.outputs
-      # The prompts padded from their bucket to the longest, so that one program serves every bucket.
-      bucket = prompt_tokens.shape[1]
-      prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (0, self.config.max_prefill_predict_length - bucket)))
+      model = loop.role(roles.REFERENCE)
+      with model.scope():  # the prompts padded from their bucket to the longest: one program serves every bucket
+        bucket = prompt_tokens.shape[1]
+        prompt_tokens = jnp.pad(prompt_tokens, ((0, 0), (0, self.config.max_prefill_predict_length - bucket)))
       temperature = np.float32(self.sampling.temperature)
-      args = (prompt_tokens, prompt_lengths, tokens, lengths, temperature)
-      reference = loop.role(roles.REFERENCE).run(self.rollout_logps, *args)
+      reference = model.run(self.rollout_logps, prompt_tokens, prompt_lengths, tokens, lengths, temperature)
     return _Dispatched(indices, pending, loop.step, started, reference)
 
   def _score(self, loop, dispatched: _Dispatched, metrics: dict | None, waiting: float | None = None) -> Rollouts:
