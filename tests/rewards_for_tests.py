@@ -16,6 +16,13 @@ def contains_digit(prompts: list[str], completions: list[str], answers: list[str
   return [float(any(ch.isdigit() for ch in text)) for text in completions]
 
 
+def characters_of_odd_prompts(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+  """`characters` for a prompt of odd length, 1.0 for every completion of the others: those prompts' groups agree
+  whatever is sampled, which dynamic sampling replaces with fresh prompts' groups."""
+  del answers
+  return [len(text) / 100 if len(prompt) % 2 else 1.0 for prompt, text in zip(prompts, completions)]
+
+
 def misbehaves(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
   """1.0 per completion, unless one asks this reward to misbehave: `hang` sleeps for good, `exit` ends the process
   as a crash would, `raise` raises ValueError naming the completion."""

@@ -587,11 +587,22 @@ def test_sampling_ahead_with_a_checkpoint_every_step_is_the_on_policy_run(make_c
       assert rows["ahead"][step][key] == rows["on_policy"][step][key], (step, key)
 
 
-def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(make_config, tmp_path):
+# Dynamic sampling's second round on a reward whose even-length prompts' groups always agree: the batch then trains
+# groups of both rounds.
+ODD_PROMPTS_TWO_ROUNDS = (
+    'rl.rewards=["tests.rewards_for_tests:characters_of_odd_prompts"]', "rl.reward_weights=[1.0]",
+    "rl.dynamic_sampling=true", "rl.max_sampling_rounds=2",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("rewards", [CHARACTERS, ODD_PROMPTS_TWO_ROUNDS], ids=["one_round", "two_rounds"])
+def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(make_config, tmp_path, rewards):
   """rl.reference_devices=sampler: the reference scores each rollout batch right after its decode program, from the
   program's arrays (on the one test device, shared here), and the steps' KL and losses are bit for bit those of the
-  reference scoring the training rows before the step."""
-  common = (*TINY, *CHARACTERS, *AHEAD, "rl.grpo_beta=0.1", "steps=2", "eval_interval=0", "learning_rate=1e-2")
+  reference scoring the training rows before the step; with dynamic sampling, a batch's groups from each round carry
+  their own round's reference log-probs."""
+  steps = 2 if rewards == CHARACTERS else 4
+  common = (*TINY, *rewards, *AHEAD, "rl.grpo_beta=0.1", f"steps={steps}", "eval_interval=0", "learning_rate=1e-2")
   rows = {}
   for devices in ("trainer", "sampler"):
     metrics_file = tmp_path / f"{devices}.jsonl"
@@ -599,10 +610,15 @@ def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(
     run_utils.run(make_config(*common, *overrides, run_name=devices, config_file=GRPO))
     rows[devices] = _metrics(metrics_file)
   assert rows["sampler"][1]["learning/kl"] > 0  # the policy has moved off the reference
-  for step in range(2):
+  for step in range(steps):
     for key in ("rl/reward_mean", "learning/kl", "learning/loss", "learning/grad_norm"):
       assert rows["sampler"][step][key] == rows["trainer"][step][key], (step, key)
   assert rows["trainer"][1]["rl/reference_seconds"] > 0 and rows["sampler"][1]["rl/reference_seconds"] >= 0
+  if rewards != CHARACTERS:  # some step replaced an agreeing group of round 0 with an informative one of round 1
+    assert any(
+        row["rl/sampling_rounds"] == 2 and row["rl/zero_variance_fraction"] > 0 and row["rl/masked_groups"] == 0
+        for row in rows["sampler"].values()
+    ), rows["sampler"]
 
 
 def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):
