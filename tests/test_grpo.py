@@ -624,8 +624,10 @@ def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(
 def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_during_the_last_step(make_config, tmp_path):
   """rl.off_policy_steps=1 with rl.num_iterations=2: the batch of step 2 is dispatched by step 1 (the last step on
   step 0's batch), so step 2 trains on rollouts one update old; a run resumed from the step-2 checkpoint, part-way
-  through that batch, trains step 3 on its saved rows and samples step 4's batch ahead as the uninterrupted run did."""
+  through that batch, trains step 3 on its saved rows and samples step 4's batch ahead as the uninterrupted run did.
+  The reference scores on the sampler's devices, so its log-probs are a column of the saved rows."""
   common = (*TINY, *CHARACTERS, *AHEAD, "rl.num_iterations=2", "eval_interval=0", "enable_checkpointing=true")
+  common += ("rl.grpo_beta=0.1", "rl.reference_devices=sampler")
   common += ("checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2")
 
   def run(name, *overrides):
@@ -638,7 +640,8 @@ def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_duri
   run("split", "steps=3", "save_checkpoint_on_completion=false")  # dies after step 2, part-way through its batch
   split = run("split", "steps=5")
   assert [split[s].get("rl/staleness") for s in range(5)] == [0.0, None, 1.0, None, 1.0]
-  for key in ("rl/reward_mean", "learning/loss", "learning/grad_norm", "learning/ratio_mean"):
+  assert full[3]["learning/kl"] > 0
+  for key in ("rl/reward_mean", "learning/loss", "learning/grad_norm", "learning/ratio_mean", "learning/kl"):
     steps = [s for s in range(5) if key in full[s]]
     np.testing.assert_allclose([split[s][key] for s in steps], [full[s][key] for s in steps], rtol=1e-5, err_msg=key)
 
