@@ -601,7 +601,7 @@ def test_the_reference_on_the_samplers_devices_scores_as_the_trainers_reference(
   program's arrays (on the one test device, shared here), and the steps' KL and losses are bit for bit those of the
   reference scoring the training rows before the step; with dynamic sampling, a batch's groups from each round carry
   their own round's reference log-probs."""
-  steps = 2 if rewards == CHARACTERS else 4
+  steps = 2 if rewards == CHARACTERS else 4  # enough steps for one whose batch mixes the rounds
   common = (*TINY, *rewards, *AHEAD, "rl.grpo_beta=0.1", f"steps={steps}", "eval_interval=0", "learning_rate=1e-2")
   rows = {}
   for devices in ("trainer", "sampler"):
@@ -625,7 +625,8 @@ def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_duri
   """rl.off_policy_steps=1 with rl.num_iterations=2: the batch of step 2 is dispatched by step 1 (the last step on
   step 0's batch), so step 2 trains on rollouts one update old; a run resumed from the step-2 checkpoint, part-way
   through that batch, trains step 3 on its saved rows and samples step 4's batch ahead as the uninterrupted run did.
-  The reference scores on the sampler's devices, so its log-probs are a column of the saved rows."""
+  With the reference on the sampler's devices the resumed step 3 has no reference to run: its KL term reads the
+  reference column of the saved rows (zeroing that column on restore changes the losses)."""
   common = (*TINY, *CHARACTERS, *AHEAD, "rl.num_iterations=2", "eval_interval=0", "enable_checkpointing=true")
   common += ("rl.grpo_beta=0.1", "rl.reference_devices=sampler")
   common += ("checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=5", "learning_rate=1e-2")

@@ -92,14 +92,16 @@ def _score_gain(loop) -> np.ndarray:
 
 
 def _standard_error(values: np.ndarray) -> float:
+  """The standard error of the mean of `values` (independent draws)."""
   return float(np.std(values, ddof=1) / np.sqrt(len(values)))
 
 
 def test_grpo_with_the_reward_model_raises_its_score(make_config, reward_model, sft_checkpoint, rl_prompts):
   """`rl.rewards=[reward_model]`: the frozen reward model scores each rollout at its last token, and 40 GRPO steps
-  raise its mean score by more than 3 standard errors of the 256 paired gains (one-sided p < 0.002 for a run that
-  did not move it). The bar is a significance, not a fixed gain: Bradley-Terry fixes only score differences, whose
-  scale grows with the reward model's training."""
+  raise its mean score by more than 3 standard errors of the 256 paired gains (one-sided p < 0.002 for a policy whose
+  expected score on these prompts is unchanged; the error is the scoring's sampling noise, not the spread between
+  training runs or hosts). The bar is a significance, not a fixed gain: Bradley-Terry fixes only score differences,
+  whose scale grows with the reward model's training."""
   config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "grpo.yml", steps=40)
   gain = _score_gain(trainer.setup(config))
   assert gain.mean() > 3 * _standard_error(gain), gain
@@ -111,7 +113,7 @@ def test_ppo_with_the_reward_model_starts_its_critic_from_it_and_is_rewarded_by_
   """PPO with a reward model: its critic starts from the reward model's checkpoint (ppo.critic_init=auto), head
   included, and each rollout's reward is the reward model's score, logged under its name.
 
-  Whether PPO's 20 steps of `_rl_with_reward_model` raise the score has depended on the host's float rounding, which
+  Whether PPO's 20 steps of `_rl_with_reward_model` (`steps=20`) raise the score has depended on the host's float rounding, which
   decides the reward model itself: with the 800-step recipe of earlier commits, on an AMD EPYC host they did for
   rl.sampling_seed 0, 1 and 2; on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the critic's explained
   variance starting at -2.0 (its values, the reward model's scores of each prefix, explained the returns worse than a
