@@ -42,7 +42,7 @@ def test_reward_model_prefers_held_out_chosen_solutions_nine_times_in_ten(reward
 
 
 NUM_PROMPTS = 16
-SCORE_KEYS = 4  # the scores before and after training: NUM_PROMPTS x 4 samples, drawn with each of 4 keys
+SCORE_KEYS = 4  # the scores before and after training: NUM_PROMPTS x rl.num_generations samples with each of 4 keys
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +68,18 @@ def _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts,
 
 
 def _score_gain(loop) -> np.ndarray:
-  """Per sample slot (SCORE_KEYS keys x NUM_PROMPTS prompts x 4 samples), the reward model's score after training
-  `loop` minus its score before: a slot's two completions are drawn with one key, so they differ by the training
-  only."""
+  """Per sample slot (SCORE_KEYS keys x NUM_PROMPTS prompts x rl.num_generations), the reward model's score after
+  training `loop` minus its score before: a slot's two completions are drawn with one key, so they differ by the
+  training only."""
 
   def scores() -> np.ndarray:
     step, rewards = loop.step, []
-    for key in range(SCORE_KEYS):
-      loop.step = 10**6 + key  # the sampling key is folded from the step
-      rewards.append(np.asarray(loop.objective.sample(loop, list(range(NUM_PROMPTS)), 0, None).rewards, np.float64))
-    loop.step = step
+    try:
+      for key in range(SCORE_KEYS):
+        loop.step = 10**6 + key  # the sampling key is folded from the step
+        rewards.append(np.asarray(loop.objective.sample(loop, list(range(NUM_PROMPTS)), 0, None).rewards, np.float64))
+    finally:
+      loop.step = step
     return np.concatenate(rewards)
 
   before = scores()
@@ -113,9 +115,9 @@ def test_ppo_with_the_reward_model_starts_its_critic_from_it_and_is_rewarded_by_
   """PPO with a reward model: its critic starts from the reward model's checkpoint (ppo.critic_init=auto), head
   included, and each rollout's reward is the reward model's score, logged under its name.
 
-  Whether PPO's 20 steps of `_rl_with_reward_model` (`steps=20`) raise the score has depended on the host's float rounding, which
-  decides the reward model itself: with the 800-step recipe of earlier commits, on an AMD EPYC host they did for
-  rl.sampling_seed 0, 1 and 2; on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the critic's explained
+  Whether PPO's 20 steps of `_rl_with_reward_model` (`steps=20`) raise the score has depended on the host's float
+  rounding, which decides the reward model itself: with the 800-step recipe of earlier commits, on an AMD EPYC host
+  they did for rl.sampling_seed 0, 1 and 2; on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the critic's explained
   variance starting at -2.0 (its values, the reward model's scores of each prefix, explained the returns worse than a
   constant). With this file's 600-step reward model, on the AMD EPYC host, they gained +0.78, +1.15 and +1.20 over the
   256 slots of `_score_gain`. PPO's learning is asserted by tests/test_ppo.py, GRPO's with this reward model above."""
