@@ -117,10 +117,11 @@ def test_ppo_with_the_reward_model_starts_its_critic_from_it_and_is_rewarded_by_
 
   Whether PPO's 20 steps of `_rl_with_reward_model` (`steps=20`) raise the score has depended on the host's float
   rounding, which decides the reward model itself: with the 800-step recipe of earlier commits, on an AMD EPYC host
-  they did for rl.sampling_seed 0, 1 and 2; on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the critic's explained
-  variance starting at -2.0 (its values, the reward model's scores of each prefix, explained the returns worse than a
-  constant). With this file's 600-step reward model, on the AMD EPYC host, they gained +0.78, +1.15 and +1.20 over the
-  256 slots of `_score_gain`. PPO's learning is asserted by tests/test_ppo.py, GRPO's with this reward model above."""
+  they did for rl.sampling_seed 0, 1 and 2; on an Intel Xeon host they moved it by -0.09, +0.57 and -0.03, the
+  critic's explained variance starting at -2.0 (its values, the reward model's scores of each prefix, explained the
+  returns worse than a constant). With this file's 600-step reward model, on the AMD EPYC host, they gained +0.78,
+  +1.15 and +1.20 over the 256 slots of `_score_gain`. PPO's learning is asserted by tests/test_ppo.py, GRPO's with
+  this reward model above."""
   config = _rl_with_reward_model(make_config, reward_model, sft_checkpoint, rl_prompts, "ppo.yml", steps=2)
   loop = trainer.setup(config)
   np.testing.assert_array_equal(
