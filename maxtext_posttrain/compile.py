@@ -217,12 +217,13 @@ def build(config) -> Run:
   return Run(config, mesh, objective, trained, frozen, kept, options)
 
 
-def _decode(run: Run, name: str, prompts: int, num_samples: int, max_new_tokens: int, sampling, config=None) -> Program:
-  """The sampler's program for `prompts` prompts of the largest bucket (max_prefill_predict_length tokens) of
-  `config` (the run's when None); it reads the policy's weights in place, or under LoRA a merged copy
-  (`lora.policy_params`) held beside the train state."""
-  config = config or run.config
-  sampler = rollout.Sampler(config, run.mesh)
+def _decode(
+    run: Run, name: str, sampler: rollout.Sampler, prompts: int, num_samples: int, max_new_tokens: int, sampling
+) -> Program:
+  """`sampler`'s program for `prompts` prompts of the largest bucket (max_prefill_predict_length tokens) of its
+  config; it reads the policy's weights in place, or under LoRA a merged copy (`lora.policy_params`) held beside the
+  train state."""
+  config = sampler.config
 
   def lowered():
     return sampler.lower(prompts, config.max_prefill_predict_length, num_samples, max_new_tokens, sampling)
@@ -246,13 +247,13 @@ def _rollout_programs(run: Run) -> list[Program]:
   request = _rollout_request(objective, config)
   if request is None:
     return []
-  programs = [_decode(run, "rollout sampler", *request)]
+  sampler = rollout.Sampler(config, run.mesh)
+  programs = [_decode(run, "rollout sampler", sampler, *request)]
   if objective.rl.tools:  # later turns: every row again, a prompt and a completion long (`tools.PendingToolRollouts`)
     prompts, num_samples, max_new_tokens, sampling = request
-    later = tools_lib.followup_config(config)
-    programs.append(
-        _decode(run, "rollout sampler, later tool turns", prompts * num_samples, 1, max_new_tokens, sampling, later)
-    )
+    later = rollout.Sampler(tools_lib.followup_config(config), run.mesh)
+    name = "rollout sampler, later tool turns"
+    programs.append(_decode(run, name, later, prompts * num_samples, 1, max_new_tokens, sampling))
   data_sharding = sharding.get_input_data_sharding(config, run.mesh)
   rows, length = request[0] * request[1], config.max_target_length
   if rl_base.REWARD_MODEL in run.frozen:
@@ -274,7 +275,6 @@ def _rollout_programs(run: Run) -> list[Program]:
   if roles_lib.REFERENCE in run.frozen and objective.rl.reference_devices == "sampler":
     # The decode program's arrays (`rollout.PendingRollouts`), scored as they come out of it.
     prompts, num_samples, max_new_tokens, _ = request
-    sampler = rollout.Sampler(config, run.mesh)
     decoded = sampler.abstract_arrays(prompts, config.max_prefill_predict_length, num_samples, max_new_tokens)
     reference = run.frozen[roles_lib.REFERENCE]
     name = "reference forward, on the decoded rollouts"
@@ -338,10 +338,10 @@ def programs(run: Run) -> list[Program]:
     request = (config.global_batch_size_to_train_on, config.eval_samples_per_prompt, max_new_tokens)
     request += (rollout.SamplingParams.from_config(config),)
     if request != _rollout_request(objective, config):  # else the rollout sampler's program serves it
-      out.append(_decode(run, "evaluation sampler", *request))
+      out.append(_decode(run, "evaluation sampler", rollout.Sampler(config, run.mesh), *request))
   elif isinstance(objective, sft.SFT):  # `generation_eval`: every held-out prompt at once, greedily
-    greedy = rollout.SamplingParams()
-    out.append(_decode(run, "evaluation greedy decode", config.eval_generation_examples, 1, max_new_tokens, greedy))
+    request = (config.eval_generation_examples, 1, max_new_tokens, rollout.SamplingParams())
+    out.append(_decode(run, "evaluation greedy decode", rollout.Sampler(config, run.mesh), *request))
   return out
 
 

@@ -16,7 +16,7 @@ def format_seconds(seconds: float) -> str:
 class Progress:
   """Rates are measured from the first reported step, so compilation time does not skew the ETA."""
 
-  def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, label: str = "train", unit: str = "step"):
+  def __init__(self, total_steps: int, start_step: int, tokens_per_step: float, label: str = "train", unit: str = "step"):
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.label, self.unit = label, unit

@@ -51,15 +51,15 @@ class Objective(abc.ABC):
       role, whose loss is `loss` (by default the only role: the policy). The loop builds them; hooks reach frozen
       ones through `loop.role(name)` and trained ones through `loop.trained[name]`. Set per instance.
     batch_keys: the arrays every batch carries; the loop checks batches against them.
-    rows_per_example: trained rows per row the data iterator yields (RL: the G completions of a prompt), for the
-      tokens/s of the progress line.
+    rows_per_example: rows a step trains per row the data iterator yields (RL: the G completions of a prompt; PPO:
+      G / ppo.num_minibatches, a minibatch a step), for the tokens/s of the progress line.
     off_policy_steps: RL's `rl.off_policy_steps`: rollouts are sampled up to this many updates ahead, on a rollout
       mesh of their own (`mesh.trainer_and_rollout_meshes`); 0: on the trainer's mesh, when the step needs them.
   """
 
   name: ClassVar[str]
   batch_keys: ClassVar[tuple[str, ...]]
-  rows_per_example: int = 1
+  rows_per_example: float = 1
   example_unit = "examples"  # what the train split's records are, in messages
   off_policy_steps: int = 0
 

@@ -114,13 +114,16 @@ class PPO(RLObjective):
     rl = self.rl
     self.ppo = ppo = config_lib.ppo(config)
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
-    rows = config.global_batch_size_to_train_on * rl.num_generations
+    # Every prompt the data iterator loads is sampled, as in the GRPO family (global_batch_size_to_load: with
+    # per_device_batch_size < 1 MaxText loads a row per device).
+    rows = config.global_batch_size_to_load * rl.num_generations
     if rows % ppo.num_minibatches:
       raise config_lib.ConfigError(
           f"ppo.num_minibatches={ppo.num_minibatches} does not divide the {rows} rollouts of a step "
-          f"(global batch {config.global_batch_size_to_train_on} prompts x rl.num_generations={rl.num_generations})."
+          f"(global batch {config.global_batch_size_to_load} prompts x rl.num_generations={rl.num_generations})."
       )
     self.minibatch_rows = rows // ppo.num_minibatches
+    self.rows_per_example = rl.num_generations / ppo.num_minibatches  # a step trains one minibatch
     if self.minibatch_rows % jax.process_count():
       raise config_lib.ConfigError(
           f"ppo.num_minibatches={ppo.num_minibatches}: minibatches of {self.minibatch_rows} rollouts do not split "
