@@ -647,14 +647,17 @@ def test_sampling_ahead_with_several_steps_per_batch_samples_the_next_batch_duri
     np.testing.assert_allclose([split[s][key] for s in steps], [full[s][key] for s in steps], rtol=1e-5, err_msg=key)
 
 
-def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
-  """GRPO with lora.enable_lora=true: rollouts sample the merged policy (merged by one program, compiled once for
-  the 30 rollouts), the KL reference is the policy with its adapters off (no second copy), only adapters train, and
-  the reward still rises."""
+def test_lora_is_a_switch_on_rl_too(make_config, tmp_path, sft_checkpoint):
+  """GRPO with lora.enable_lora=true on the SFT model: rollouts sample the merged policy (merged by one program,
+  compiled once for the 30 rollouts), the KL reference is the policy with its adapters off (no second copy), only
+  adapters train, and the reward still rises. From the SFT model (sft_lora.yml's lr) the rise is steady: 0.167 ->
+  +0.13, +0.15, +0.13 for rl.sampling_seed 0, 1, 2 when this was written (from random weights at lr 3e-2 it was
+  +0.79, -0.02, +0.29: seed luck)."""
   config = make_config(
       *TINY, *CHARACTERS, "lora.enable_lora=true", "lora.lora_rank=8", "lora.lora_alpha=16", "rl.grpo_beta=0.01",
-      "per_device_batch_size=4", "learning_rate=3e-2", "steps=30", "eval_interval=0",
-      f"metrics_file={tmp_path / 'metrics.jsonl'}", run_utils.WHOLE_TRAIN_SPLIT, config_file=GRPO,
+      "per_device_batch_size=4", "learning_rate=1e-2", "steps=30", "eval_interval=0",
+      f"load_parameters_path={sft_checkpoint}", f"metrics_file={tmp_path / 'metrics.jsonl'}",
+      run_utils.WHOLE_TRAIN_SPLIT, config_file=GRPO,
   )  # fmt: skip
   loop = trainer.setup(config)
   assert loop.frozen["reference"].follows_policy
@@ -666,4 +669,4 @@ def test_lora_is_a_switch_on_rl_too(make_config, tmp_path):
   rows = _metrics(tmp_path / "metrics.jsonl")
   rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
   assert rows[0]["learning/kl"] < 1e-8 < rows[29]["learning/kl"]
-  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2, rewards
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.05, rewards
