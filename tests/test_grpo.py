@@ -2,6 +2,7 @@
 sampler/trainer agreement, inner iterations, dynamic sampling, and seeded runs that raise the reward."""
 
 import json
+import logging
 import threading
 import types
 
@@ -98,6 +99,7 @@ def test_drgrpo_divides_each_completions_token_sum_by_the_generation_budget(make
         (("rl.overlong_buffer_length=32",), "below the generation budget"),
         (("max_target_length=64",), "leaves none"),
         (("rl.use_agentic_rollout=true",), "does not support rl.use_agentic_rollout"),
+        (("rl.grpo_beta=-0.1",), r"rl.grpo_beta=-0.1: the KL coefficient must be >= 0"),
         (("rl.off_policy_steps=-1",), "rl.off_policy_steps=-1 must be >= 0"),
         (("rl.off_policy_steps=1", "rl.use_rollout_logps=false"), "needs rl.use_rollout_logps=true"),
         (("rl.off_policy_steps=1", "rl.force_on_policy_ratio=true"), "force_on_policy_ratio=true pins the ratio"),
@@ -670,3 +672,11 @@ def test_lora_is_a_switch_on_rl_too(make_config, tmp_path, sft_checkpoint):
   rewards = [rows[step]["rl/reward_mean"] for step in sorted(rows)]
   assert rows[0]["learning/kl"] < 1e-8 < rows[29]["learning/kl"]
   assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.05, rewards
+
+
+@pytest.mark.parametrize("estimator, warned", [("k1", True), ("k3", False)])
+def test_a_k1_kl_term_in_the_loss_is_warned_of(make_config, caplog, estimator, warned):
+  """k1 in the loss regularises nothing in expectation (its gradient is the score function); it runs, with a warning."""
+  with caplog.at_level(logging.WARNING):
+    grpo.GRPO(make_config("rl.grpo_beta=0.04", f"rl.kl_estimator={estimator}", config_file=GRPO))
+  assert ("rl.kl_estimator=k1 in the loss" in caplog.text) == warned, caplog.text

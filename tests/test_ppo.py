@@ -159,6 +159,7 @@ def test_critic_warmup_holds_the_policy(make_config, tmp_path):
     [
         (("ppo.num_minibatches=3",), r"ppo.num_minibatches=3 does not divide the 8 rollouts"),
         (("ppo.critic_init=reward_model",), "needs a reward model"),
+        (("ppo.adaptive_kl=true", "rl.grpo_beta=0"), r"ppo.adaptive_kl=true scales .* set rl.grpo_beta > 0"),
         (
             ("ppo.critic_warmup_steps=1", "rl.num_iterations=2", "checkpoint_period=2"),
             "critic_warmup_steps=1 must be a multiple",

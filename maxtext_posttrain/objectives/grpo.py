@@ -31,7 +31,7 @@ from maxtext_posttrain.losses import advantages as advantages_lib
 from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, ROW_FLOATS, ROW_KEYS, RLObjective, gathered
-from maxtext_posttrain.objectives.rl_base import training_rows
+from maxtext_posttrain.objectives.rl_base import training_rows, warn_of_k1_in_the_loss
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 _ALGOS = {"grpo": "grpo", "gspo": "gspo", "gspo-token": "gspo_token"}
@@ -74,6 +74,7 @@ class GRPO(RLObjective):
     if rl.grpo_beta > 0:
       self.roles += (roles.reference(on_rollout_mesh=rl.reference_devices == "sampler"),)
       self.batch_keys = ROW_KEYS + (REFERENCE_KEY,)
+      warn_of_k1_in_the_loss(rl)
     self.algo = _ALGOS[rl.loss_algo]
     self.agg_mode = config_lib.AGG_MODE_ALIASES[rl.loss_agg_mode]
     self._old_policy = None  # the policy's forward under jit, for rl.use_rollout_logps=false

@@ -36,7 +36,7 @@ from maxtext_posttrain.losses import logprobs as logprobs_lib
 from maxtext_posttrain.losses import policy_gradient
 from maxtext_posttrain.losses import ppo as ppo_losses
 from maxtext_posttrain.objectives.rl_base import REFERENCE_KEY, REWARD_MODEL, ROW_FLOATS, ROW_KEYS, RLObjective
-from maxtext_posttrain.objectives.rl_base import gathered, training_rows
+from maxtext_posttrain.objectives.rl_base import gathered, training_rows, warn_of_k1_in_the_loss
 from maxtext_posttrain.objectives.base import LossOutput, register, rows_spec
 
 CRITIC = "critic"
@@ -147,6 +147,11 @@ class PPO(RLObjective):
           f"posttrain_mode=ppo does not use {', '.join(named)}: its advantages are the critic's GAE, its ratio PPO's "
           "per token, over epochs that move the policy off its rollouts."
       )
+    if ppo.adaptive_kl and not rl.grpo_beta:
+      raise config_lib.ConfigError(
+          "ppo.adaptive_kl=true scales the KL coefficient from rl.grpo_beta by factors, which leave 0 at 0 (and "
+          "rl.grpo_beta=0 builds no reference): set rl.grpo_beta > 0."
+      )
     self.use_reference = rl.grpo_beta > 0
     self.kl_in_loss = self.use_reference and ppo.kl_penalty == "loss"
     if self.use_reference:
@@ -164,6 +169,7 @@ class PPO(RLObjective):
     )
     if self.kl_in_loss:
       self.batch_keys = PPO_KEYS + (REFERENCE_KEY, KL_COEF_KEY)
+      warn_of_k1_in_the_loss(rl)
     if ppo.adaptive_kl:
       self.kl_controller = ppo_losses.AdaptiveKLController(rl.grpo_beta, ppo.kl_target, ppo.kl_horizon)
     else:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import partitioning as nn_partitioning
 from jax.experimental import multihost_utils
+from maxtext.utils import max_logging
 
 from maxtext_posttrain import config as config_lib
 from maxtext_posttrain import evaluate as evaluate_lib
@@ -188,6 +189,17 @@ def reward_model_role(config) -> roles.RoleSpec:
   )
 
 
+def warn_of_k1_in_the_loss(rl) -> None:
+  """Warns when the loss's KL term is the k1 estimate: log(pi / pi_ref) of the sampled tokens, whose gradient is the
+  score function, zero in expectation over the policy's own samples, so the term pulls towards the reference only as
+  noise (k1 as a reward, PPO's ppo.kl_penalty=reward, is what it is for). Tunix and verl accept it, so it runs."""
+  if rl.kl_estimator == "k1":
+    max_logging.warning(
+        "rl.kl_estimator=k1 in the loss: the gradient of log(pi / pi_ref) on the policy's own samples is zero in "
+        "expectation, so this KL term does not hold the policy to the reference; k3 (or k2) does."
+    )
+
+
 def check_config(config, min_generations: int) -> None:
   """Raises ValueError naming the key for rl.* settings an RL objective cannot honour."""
   rl = config.rl
@@ -227,6 +239,8 @@ def check_config(config, min_generations: int) -> None:
     raise config_lib.ConfigError(
         f"rl.dynamic_sampling_metric={rl.dynamic_sampling_metric} applies with rl.dynamic_sampling=true."
     )
+  if rl.grpo_beta < 0:
+    raise config_lib.ConfigError(f"rl.grpo_beta={rl.grpo_beta}: the KL coefficient must be >= 0 (0: no KL term).")
   if rl.off_policy_steps < 0:
     raise config_lib.ConfigError(f"rl.off_policy_steps={rl.off_policy_steps} must be >= 0.")
   if rl.off_policy_steps and not rl.use_rollout_logps:
