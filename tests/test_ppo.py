@@ -270,3 +270,14 @@ def test_a_lora_critic_trains_its_adapters_and_head_over_a_frozen_base(make_conf
       jax.device_get(resumed.trained["critic"].state.model.filter(base).to_pure_dict()),
       start,
   )
+
+
+def test_ppo_samples_every_prompt_the_iterator_loads(make_config):
+  """PPO's rollout batch is global_batch_size_to_load prompts x G, as the GRPO family's and the prompt iterator's:
+  where MaxText loads more rows than it trains on (expansion_factor_real_data here; per_device_batch_size < 1 on
+  several devices), a batch sized from global_batch_size_to_train_on would leave sampled rows out of every epoch."""
+  config = make_config(*TINY, "expansion_factor_real_data=2", "ppo.num_minibatches=2", config_file=PPO)
+  assert config.global_batch_size_to_load == 2 * config.global_batch_size_to_train_on
+  objective = ppo.PPO(config)
+  assert objective.minibatch_rows * 2 == config.global_batch_size_to_load * 4  # rl.num_generations=4
+  assert objective.rows_per_example == 2  # a step trains one of the 2 minibatches
