@@ -14,6 +14,7 @@ A save that fails (a full disk) is reported naming the step; the steps saved bef
 
 import contextlib
 import os
+import re
 
 import jax
 from etils import epath
@@ -137,16 +138,23 @@ class CheckpointWriteFailed(cli.Failure):
 
 
 _ERROR_CHARS = 240
+# How tensorstore (orbax's array writer) reports the operating system's error: `[os_error_code='28']`.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
 def _brief(error: BaseException) -> str:
   """The first error of `error`'s chain of causes (orbax wraps a read's failure in a dump of the whole tree), in one
-  line of at most _ERROR_CHARS: its start and its end."""
+  line of at most _ERROR_CHARS: its start and its end, after the operating system's reason when the error carries an
+  error number whose reason the cut would drop (tensorstore's message puts the reason mid-way, its code at the end)."""
   while error.__cause__ is not None:
     error = error.__cause__
   text = " ".join(f"{type(error).__name__}: {error}".split())
   half = (_ERROR_CHARS - 5) // 2
-  return text if len(text) <= _ERROR_CHARS else f"{text[:half]} ... {text[-half:]}"  # the cause is often at the end
+  brief = text if len(text) <= _ERROR_CHARS else f"{text[:half]} ... {text[-half:]}"  # the cause is often at the end
+  code = getattr(error, "errno", None) or next((int(m.group(1)) for m in _OS_ERROR_CODE.finditer(text)), None)
+  if code and os.strerror(code) not in brief:
+    brief = f"{os.strerror(code)} (OS error {code}): {brief}"
+  return brief
 
 
 def set_aside_unreadable(checkpoint_manager, config, error: Exception) -> None:

@@ -173,6 +173,17 @@ def test_a_full_disk_during_a_save_is_named_and_leaves_the_earlier_checkpoints_w
     assert leaves and all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
 
 
+def test_a_long_storage_error_keeps_the_operating_systems_reason():
+  """tensorstore's message for a full disk names the array, its whole spec, then `[os_error_code='28']`: cut to one
+  line, its reason would fall in the cut (as an asynchronous save's did), so the line starts with it."""
+  brief = checkpoint_guard._brief  # pylint: disable=protected-access
+  array, spec = "opt_state." + "x" * 200, "{" + "y" * 200 + "}"
+  tensorstore = f"RESOURCE_EXHAUSTED: Error writing {array}: No space left on device; {spec} [os_error_code='28']"
+  line = brief(ValueError(tensorstore))
+  assert line.startswith("No space left on device (OS error 28): ValueError: RESOURCE_EXHAUSTED") and len(line) < 300
+  assert brief(OSError(28, "No space left on device")).count("No space") == 1
+
+
 def test_a_resume_that_changes_what_the_run_trains_on_is_refused_naming_the_keys(make_config, tmp_path):
   run_utils.run(_sft(make_config, "steps=1"))
   with pytest.raises(ValueError, match="changes what the run trains on") as error:
